@@ -1,0 +1,130 @@
+"""`specinfer` command line.
+
+    specinfer generate --prompt "def fib(n):" --mode tree --max-new-tokens 64
+    specinfer generate --prompt-file models/heldout_prompts.jsonl --json
+
+Runs in-process on the shipped models (models/ beside the package, or $SPECINFER_MODELS) unless
+--llm / --ssm name other Llama-family checkpoint directories. The request-building flags are kept
+apart from where requests run, so the same flags serve a remote server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
+from .model import LlamaModel
+from .sampling import SamplingParams
+from .tree import parse_expansion
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("SPECINFER_MODELS", Path(__file__).resolve().parent.parent / "models"))
+
+
+def default_ssms() -> list[Path]:
+    return sorted(p for p in models_dir().glob("ssm-*") if (p / "config.json").exists())
+
+
+def load_prompts(args) -> list[tuple[str, str]]:
+    """(id, text) pairs from --prompt or a JSONL --prompt-file with a `prompt` field per line."""
+    if args.prompt is not None:
+        return [("0", args.prompt)]
+    prompts = []
+    with open(args.prompt_file) as fh:
+        for n, line in enumerate(fh):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "prompt" not in obj:
+                raise SystemExit(f"{args.prompt_file}:{n + 1}: no 'prompt' field")
+            prompts.append((str(obj.get("id", n)), obj["prompt"]))
+    return prompts
+
+
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="JSONL file, one object per line with 'prompt' and optional 'id'")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TREE.value)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--expansion", default=",".join(map(str, PAPER_EXPANSION)),
+                   help="tree expansion config k_1,...,k_m (sequence mode uses its depth)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", type=Path, default=None, help="LLM checkpoint directory (default: shipped)")
+    p.add_argument("--ssm", type=Path, action="append", default=None,
+                   help="SSM checkpoint directory, repeatable (default: the shipped SSMs)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--draft-replacement", action="store_true",
+                   help="stochastic drafts drawn i.i.d. (default: without replacement)")
+
+
+def load_engine(args) -> Engine:
+    dtype = DTYPES[args.dtype]
+    llm = LlamaModel.from_pretrained(args.llm or models_dir() / "llm", dtype=dtype)
+    ssm_dirs = [] if args.mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
+    ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
+    return Engine(llm, ssms, Mode(args.mode), parse_expansion(args.expansion), args.draft_replacement)
+
+
+def cmd_generate(args) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.llm or models_dir() / "llm"))
+    engine = load_engine(args)
+    prompts = load_prompts(args)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid) for pid, text in prompts]
+    try:
+        start = time.perf_counter()
+        gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
+        elapsed = time.perf_counter() - start
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for g in gens:
+        print_generation(g, tokenizer.decode(g.token_ids), args.json)
+    if not args.json:
+        total = sum(len(g.token_ids) for g in gens)
+        print(f"[{args.mode}] {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def print_generation(g: Generation, text: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"id": g.id, "token_ids": g.token_ids, "text": text, "steps": g.steps,
+                          "tokens_per_step": round(g.tokens_per_step, 4), "finish_reason": g.finish_reason}))
+    else:
+        print(f"--- {g.id} ({g.finish_reason}, {g.steps} steps, {g.tokens_per_step:.2f} tokens/step)")
+        print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text in-process")
+    add_request_flags(gen)
+    add_model_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""In-process speculative generation: speculators and verifier glued by one batching loop.
+
+Per iteration, for every unfinished request: each speculator drafts a tree (told only the tokens
+committed since it last drafted), the trees are merged, the verifier checks them all in one LLM
+forward, and the accepted tokens are appended, cut at EOS, a stop token or max_new_tokens.
+The first LLM forward of a request is its prefill (prompt only, one token out); every later
+forward is a *step*.
+
+Modes: incremental (no speculator), sequence (SSM 0, a chain: expansion <1, ..., 1>),
+tree (SSM 0, an expansion config), merged (every SSM with the same config, trees merged).
+The gRPC manager runs the same loop with continuous batching; this one serves the CLI, the tests
+and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tqdm import tqdm
+
+from .model import LlamaModel
+from .sampling import SamplingParams
+from .speculator import DraftRequest, Speculator
+from .tree import TokenTree, merge
+from .verifier import Verifier, VerifyRequest
+
+
+class Mode(str, Enum):
+    INCREMENTAL = "incremental"
+    SEQUENCE = "sequence"
+    TREE = "tree"
+    MERGED = "merged"
+
+
+PAPER_EXPANSION = [1, 1, 3, 1, 1, 1, 1, 1]  # SpecInfer's default <1,1,3,1,1,1,1,1>
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    id: str = ""
+
+
+@dataclass
+class Generation:
+    id: str
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str = ""  # "eos", "stop" or "length"
+    steps: int = 0  # LLM forward passes after the prefill
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens at each step
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per LLM step, not counting the prefill's token."""
+        return (len(self.token_ids) - 1) / self.steps if self.steps else 0.0
+
+
+def validate(req: Request, vocab_size: int, context: int) -> None:
+    """Raise ValueError naming the offending field."""
+    if not req.prompt:
+        raise ValueError("prompt: must not be empty")
+    bad = [t for t in req.prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if req.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
+    if len(req.prompt) + req.max_new_tokens > context:
+        raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
+                         f"({req.max_new_tokens}) exceeds the context length {context}")
+    req.sampling.validate()
+
+
+class Engine:
+    def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
+                 expansion: list[int] | None = None, replacement: bool = False):
+        mode = Mode(mode)
+        if mode != Mode.INCREMENTAL and not ssms:
+            raise ValueError(f"mode {mode.value} needs at least one SSM")
+        if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
+            raise ValueError("LLM and SSMs must share a tokenizer (vocab sizes differ)")
+        self.llm = llm
+        self.mode = mode
+        self.expansion = list(expansion if expansion is not None else PAPER_EXPANSION)
+        if mode == Mode.SEQUENCE:
+            self.expansion = [1] * len(self.expansion)
+        used = {Mode.INCREMENTAL: [], Mode.SEQUENCE: ssms[:1], Mode.TREE: ssms[:1], Mode.MERGED: list(ssms)}[mode]
+        self.speculators = [Speculator(m, index=i) for i, m in enumerate(used)]
+        self.replacement = replacement
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
+        for r in requests:
+            validate(r, self.llm.cfg.vocab_size, self.llm.cfg.max_position_embeddings)
+        ids = [r.id or str(i) for i, r in enumerate(requests)]
+        if len(set(ids)) != len(ids):
+            raise ValueError("id: request ids must be unique")
+        verifier = Verifier(self.llm)
+        eos = set(self.llm.cfg.eos_token_ids)
+        out = {i: Generation(i, []) for i in ids}
+        told = {(s, i): 0 for s in range(len(self.speculators)) for i in ids}  # tokens sent so far
+        live = dict(zip(ids, requests))
+        bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
+
+        batch = [VerifyRequest(i, r.prompt, TokenTree(), r.sampling) for i, r in live.items()]
+        first = True
+        while live:
+            verdicts = verifier.step(batch)
+            for v, vr in zip(verdicts, batch):
+                gen, req = out[vr.request_id], live[vr.request_id]
+                if not first:
+                    gen.steps += 1
+                    gen.accepted.append(len(v.path))
+                before = len(gen.token_ids)
+                _append(gen, req, v.tokens, eos)
+                bar.update(len(gen.token_ids) - before)
+                if gen.finish_reason:
+                    del live[vr.request_id]
+                    verifier.release(vr.request_id)
+                    for s in self.speculators:
+                        s.release(vr.request_id)
+            first = False
+            trees = self._draft(live, out, told)
+            batch = [VerifyRequest(i, [], trees[i], r.sampling) for i, r in live.items()]
+        bar.close()
+        return [out[i] for i in ids]
+
+    def _draft(self, live: dict[str, Request], out: dict[str, Generation], told: dict) -> dict[str, TokenTree]:
+        per_request: dict[str, list[TokenTree]] = {i: [] for i in live}
+        for s, spec in enumerate(self.speculators):
+            batch = []
+            for i, req in live.items():
+                record = req.prompt + out[i].token_ids
+                # never draft past max_new_tokens: a step emits the accepted path plus one bonus
+                depth = min(len(self.expansion), req.max_new_tokens - len(out[i].token_ids) - 1)
+                batch.append(DraftRequest(i, record[told[s, i]:], self.expansion[:depth], req.sampling, self.replacement))
+                told[s, i] = len(record)
+            for dr, tree in zip(batch, spec.draft(batch)):
+                per_request[dr.request_id].append(tree)
+        return {i: (trees[0] if len(trees) == 1 else merge(trees)) for i, trees in per_request.items()}
+
+
+def _append(gen: Generation, req: Request, tokens: list[int], eos: set[int]) -> None:
+    """Append tokens up to and including the first that finishes the request."""
+    for t in tokens:
+        gen.token_ids.append(t)
+        if t in eos and not req.ignore_eos:
+            gen.finish_reason = "eos"
+        elif t in req.stop_token_ids:
+            gen.finish_reason = "stop"
+        elif len(gen.token_ids) >= req.max_new_tokens:
+            gen.finish_reason = "length"
+        if gen.finish_reason:
+            return

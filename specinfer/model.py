@@ -1,0 +1,271 @@
+"""A Llama-family causal LM (Llama, Mistral, Qwen2) that decodes ragged batches of token trees.
+
+Loads a Hugging Face checkpoint directory (config.json + *.safetensors) with no download and no
+`transformers` model code, so that the KV cache, positions and attention mask are ours:
+
+    new committed tokens (the prompt, or the previous step's bonus) attend causally;
+    tree node u attends to every committed token, its ancestors and itself;
+    position(u) = committed length - 1 + depth(u)  (the root is the last committed token).
+
+A batch is flattened over requests (no padding): projections and MLPs run once over all tokens,
+attention runs per request against that request's cache. Only the rows asked for reach the LM
+head. The model knows nothing about trees beyond the mask and positions its caches hand it, and
+nothing about sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from .attention import tree_attention
+from .kv_cache import KVCache
+
+SUPPORTED = {"llama", "mistral", "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    attention_bias: bool  # biases on the q, k, v projections
+    output_bias: bool  # bias on the attention output projection
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
+        c = json.loads((path / "config.json").read_text())
+        kind = c.get("model_type")
+        if kind not in SUPPORTED:
+            raise ValueError(f"{path}: model_type {kind!r} is not one of {sorted(SUPPORTED)}")
+        if c.get("mlp_bias"):
+            raise ValueError(f"{path}: mlp_bias is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act {c['hidden_act']!r} is not supported (only silu)")
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported")
+        context = c.get("max_position_embeddings", 2048)
+        if kind in ("mistral", "qwen2") and c.get("sliding_window") and c.get("use_sliding_window", kind == "mistral"):
+            context = min(context, c["sliding_window"])  # full attention is exact up to the window
+        eos = c.get("eos_token_id")
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            attention_bias=kind == "qwen2" or bool(c.get("attention_bias", False)),
+            output_bias=kind != "qwen2" and bool(c.get("attention_bias", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=context,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+
+
+@dataclass
+class StepInput:
+    """One request's part of a forward pass."""
+
+    cache: KVCache
+    new_tokens: list[int]  # committed tokens not yet in the cache
+    tree_tokens: list[int]  # draft nodes to add to the cache's scratch tree
+    tree_parents: list[int]  # their parents, indexing the whole scratch tree (-1: the root)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2], float32, as Hugging Face computes them."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    if s.get("rope_type", s.get("type")) == "linear":
+        return inv / s["factor"]
+    # llama3: long wavelengths slowed down by `factor`, short ones kept, a smooth band between
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D]; cos, sin [N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer with fused QKV and gate/up projections."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o = nn.Linear(q, cfg.hidden_size, bias=cfg.output_bias)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, layer: int, plan) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        q, k, v = self.qkv(self.input_norm(x)).split(
+            [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q = rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)  # [N, Hq, D]
+        k = rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [N, Hkv, D]
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        out = torch.empty_like(q)
+        for cache, rows, first, mask in plan:
+            a, b = rows
+            slots = slice(first, first + b - a)
+            cache.k[layer, :, slots] = k[a:b].transpose(0, 1)
+            cache.v[layer, :, slots] = v[a:b].transpose(0, 1)
+            total = mask.shape[1]
+            out[a:b] = tree_attention(q[a:b], cache.k[layer, :, :total], cache.v[layer, :, :total], mask)
+        x = x + self.o(out.view(n, -1))
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LlamaModel":
+        path = Path(path)
+        cfg = ModelConfig.from_dir(path)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights")
+        raw: dict[str, torch.Tensor] = {}
+        for f in files:
+            raw.update(load_file(f))
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_state_dict(hf_to_ours(raw, cfg), assign=True, strict=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+        model.inv_freq = rope_inv_freq(cfg)
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, items: list[StepInput]) -> list[torch.Tensor]:
+        """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32):
+        first the last new committed token's row (if it has new tokens), then one row per new tree
+        node, in the order given."""
+        tokens, positions, plan, wanted = [], [], [], []
+        offset = 0
+        for it in items:
+            first, pos, mask = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
+            n = len(it.new_tokens) + len(it.tree_tokens)
+            tokens.extend(it.new_tokens)
+            tokens.extend(it.tree_tokens)
+            positions.append(pos)
+            plan.append((it.cache, (offset, offset + n), first, mask.to(self.device)))
+            start = offset + len(it.new_tokens) - 1 if it.new_tokens else offset
+            wanted.append(torch.arange(start, offset + n))
+            offset += n
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat(positions).to(self.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = self.embed(ids)
+        for layer, block in enumerate(self.layers):
+            x = block(x, cos, sin, layer, plan)
+        rows = torch.cat(wanted).to(self.device)
+        logits = self.lm_head(self.norm(x[rows])).float()
+        return list(logits.split([len(w) for w in wanted]))
+
+
+def hf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face weights and fuse q/k/v and gate/up."""
+    out = {"embed.weight": raw["model.embed_tokens.weight"], "norm.weight": raw["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = raw["lm_head.weight"]
+    else:
+        out["lm_head.weight"] = raw["model.embed_tokens.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.input_norm.weight"] = raw[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_norm.weight"] = raw[p + "post_attention_layernorm.weight"]
+        out[f"layers.{i}.qkv.weight"] = torch.cat([raw[a + f"{x}_proj.weight"] for x in "qkv"])
+        if cfg.attention_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([raw[a + f"{x}_proj.bias"] for x in "qkv"])
+        out[f"layers.{i}.o.weight"] = raw[a + "o_proj.weight"]
+        if cfg.output_bias:
+            out[f"layers.{i}.o.bias"] = raw[a + "o_proj.bias"]
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
+        out[f"layers.{i}.down.weight"] = raw[p + "mlp.down_proj.weight"]
+    return out

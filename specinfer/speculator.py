@@ -1,0 +1,124 @@
+"""The SSM side: expansion-based token tree construction for a batch of requests.
+
+A `Speculator` hosts one SSM and keeps, per request, the tokens it has been told were committed
+and an SSM KV cache. `draft` grows every request's tree one level at a time with one batched SSM
+forward per level: level 1 comes from the row of the last committed token (the root), level i+1
+from the rows of level i's nodes, each node attending to the committed prefix and its ancestors.
+
+Greedy: a node at depth i gets the top-k_i tokens as children.
+Stochastic: a node at depth i gets k_i draws from q, the SSM's distribution after the request's
+sampling transforms, truncated to its `q_top` most likely tokens and renormalized; draws are
+sequential without replacement by default, i.i.d. with replacement on request. The draws and q
+are recorded in the tree (DraftGroup) for the verifier.
+
+Losing a speculator's state only costs speed: the next `draft` recomputes whatever it is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .model import LlamaModel, StepInput
+from .sampling import SamplingParams, probabilities, request_generator, sparsify
+from .tree import DraftGroup, TokenTree, dfs_order, reorder
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    new_tokens: list[int]  # tokens committed since this speculator last heard of the request
+    expansion: list[int]  # <k_1, ..., k_m>; empty: no tree
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
+
+
+@dataclass
+class _State:
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32):
+        self.model = model
+        self.index = index  # keeps each SSM's random draws independent of the others'
+        self.q_top = q_top
+        self.states: dict[str, _State] = {}
+
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def _sync(self, req: DraftRequest) -> tuple[_State, list[int]]:
+        """Record new tokens, keep the KV of the part of the last tree they confirm, and return the
+        committed tokens the cache still lacks (always at least the last one: the root)."""
+        st = self.states.get(req.request_id)
+        if st is None:
+            st = self.states[req.request_id] = _State(self.model.new_cache())
+        st.tokens.extend(req.new_tokens)
+        if not st.tokens:
+            raise ValueError(f"request {req.request_id}: no tokens to draft from")
+        cache = st.cache
+        cache.commit(cache.matching_path(st.tokens[cache.length : -1]))
+        return st, st.tokens[cache.length :]
+
+    def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
+        trees = [TokenTree() for _ in batch]
+        states, pending = zip(*(self._sync(r) for r in batch)) if batch else ((), ())
+        gens = [request_generator(r.sampling.seed, "draft", self.index, len(st.tokens))
+                for r, st in zip(batch, states)]
+        active = [i for i, r in enumerate(batch) if r.expansion]
+        # frontier[i]: tree nodes of request i added at the previous level, not yet run through the SSM
+        frontier: dict[int, list[int]] = {i: [] for i in active}
+        depth = 0
+        while active:
+            # Nodes enter the SSM cache level by level in tree-index order, so a node's index in
+            # the cache's scratch tree equals its tree index, and tree parents index the scratch.
+            items = [StepInput(states[i].cache, pending[i] if depth == 0 else [],
+                               [trees[i].tokens[u] for u in frontier[i]],
+                               [trees[i].parents[u] for u in frontier[i]])
+                     for i in active]
+            rows = self.model(items)
+            still = []
+            for i, logits in zip(active, rows):
+                parents = [-1] if depth == 0 else frontier[i]
+                frontier[i] = self._expand(trees[i], parents, logits, batch[i], gens[i], batch[i].expansion[depth])
+                if depth + 1 < len(batch[i].expansion):
+                    still.append(i)
+            active = still
+            depth += 1
+        return [reorder(t, dfs_order(t.parents)) for t in trees]
+
+    def _expand(self, tree: TokenTree, parents: list[int], logits: torch.Tensor, req: DraftRequest,
+                gen: torch.Generator, k: int) -> list[int]:
+        """Add k children (or k draws) under each parent from its logits row; return the new nodes."""
+        new: list[int] = []
+        if req.sampling.greedy:
+            top = logits.topk(k, dim=-1).indices.tolist()
+            for parent, tokens in zip(parents, top):
+                for t in tokens:
+                    new.append(_add(tree, parent, t))
+            return new
+        probs = probabilities(logits, req.sampling)
+        for parent, row in zip(parents, probs):
+            q_ids, q_probs = sparsify(row, self.q_top)
+            n = k if req.replacement else min(k, q_ids.numel())
+            draws = torch.multinomial(q_probs, n, replacement=req.replacement, generator=gen)
+            children = []
+            for t in q_ids[draws].tolist():
+                c = tree.child_with_token(parent, t)
+                if c is None:
+                    c = _add(tree, parent, t)
+                    new.append(c)
+                children.append(c)
+            tree.groups.append(DraftGroup(parent, q_ids.tolist(), q_probs.tolist(), children, req.replacement))
+        return new
+
+
+def _add(tree: TokenTree, parent: int, token: int) -> int:
+    tree.tokens.append(token)
+    tree.parents.append(parent)
+    return len(tree.tokens) - 1
+

@@ -1,0 +1,170 @@
+"""Token trees (SpecInfer section 3).
+
+A tree hangs below a *root*: the request's last committed token, which is not a node of the tree.
+Node u has token t_u and parent p_u (-1 for a child of the root); nodes are stored in DFS order,
+so every parent precedes its children and every subtree is contiguous. S_u, the token sequence
+from the root to u, is unique per node: two draws of the same token under the same parent are one
+node.
+
+Under stochastic decoding the tree also records *how* each child was drawn, because
+multi-step speculative sampling needs it (see verify.py): a `DraftGroup` is one SSM's draws of
+children of one parent, in draw order, from one sparse distribution q, with or without
+replacement. A node may be drawn several times (with replacement) and by several groups (after a
+merge). Greedy trees have no groups.
+
+This module knows nothing about models or tensors beyond the mask it builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftGroup:
+    """Draws of children of `parent` from one sparse distribution q = {q_ids[i]: q_probs[i]}."""
+
+    parent: int  # node index, -1 for the root
+    q_ids: list[int]
+    q_probs: list[float]
+    children: list[int]  # node index of each draw, in draw order (repeats allowed with replacement)
+    replacement: bool
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    groups: list[DraftGroup] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError("tree: tokens and parents differ in length")
+        for u, p in enumerate(self.parents):
+            if not -1 <= p < u:
+                raise ValueError(f"tree: node {u} has parent {p}; parents must precede children")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Depth of each node; a child of the root has depth 1."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+    def children(self, u: int) -> list[int]:
+        return [c for c, p in enumerate(self.parents) if p == u]
+
+    def child_with_token(self, u: int, token: int) -> int | None:
+        for c, p in enumerate(self.parents):
+            if p == u and self.tokens[c] == token:
+                return c
+        return None
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """S_u for every node u (root excluded)."""
+        out: list[tuple[int, ...]] = []
+        for t, p in zip(self.tokens, self.parents):
+            out.append((out[p] if p >= 0 else ()) + (t,))
+        return out
+
+    def path_to(self, u: int) -> list[int]:
+        """Node indices from the root's child down to u."""
+        path = []
+        while u >= 0:
+            path.append(u)
+            u = self.parents[u]
+        return path[::-1]
+
+    def groups_of(self, u: int) -> list[DraftGroup]:
+        return [g for g in self.groups if g.parent == u]
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: mask[u, v] is True iff v is u or an ancestor of u (topology-aware causal mask)."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for u, p in enumerate(parents):
+        if p >= 0:
+            mask[u] |= mask[p]
+    return mask
+
+
+def dfs_order(parents: list[int]) -> list[int]:
+    """A DFS preorder of nodes given in any parent-before-child order (children kept in their order)."""
+    kids: dict[int, list[int]] = {}
+    for u, p in enumerate(parents):
+        kids.setdefault(p, []).append(u)
+    order, stack = [], list(reversed(kids.get(-1, [])))
+    while stack:
+        u = stack.pop()
+        order.append(u)
+        stack.extend(reversed(kids.get(u, [])))
+    return order
+
+
+def reorder(tree: TokenTree, order: list[int]) -> TokenTree:
+    """The same tree with its nodes renumbered so that node order[i] becomes node i."""
+    new = {old: i for i, old in enumerate(order)}
+    new[-1] = -1
+    return TokenTree(
+        tokens=[tree.tokens[o] for o in order],
+        parents=[new[tree.parents[o]] for o in order],
+        groups=[
+            DraftGroup(new[g.parent], g.q_ids, g.q_probs, [new[c] for c in g.children], g.replacement)
+            for g in tree.groups
+        ],
+    )
+
+
+def merge(trees: list[TokenTree]) -> TokenTree:
+    """Merge-based construction: the union of several trees over the same root.
+
+    Every sequence S_u of every input tree is a path of the result and every path of the result
+    is a sequence of some input tree. Draft groups are kept (remapped), in input-tree order, so the
+    verifier sees each SSM's draws exactly as they were made. The result is in DFS order.
+    """
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    groups: list[DraftGroup] = []
+    for tree in trees:
+        local = []
+        for path, p in zip(tree.paths(), tree.parents):
+            if path not in index:
+                index[path] = len(tokens)
+                tokens.append(path[-1])
+                parents.append(local[p] if p >= 0 else -1)
+            local.append(index[path])
+        for g in tree.groups:
+            parent = local[g.parent] if g.parent >= 0 else -1
+            groups.append(DraftGroup(parent, g.q_ids, g.q_probs, [local[c] for c in g.children], g.replacement))
+    merged = TokenTree(tokens, parents, groups)
+    return reorder(merged, dfs_order(parents))
+
+
+def expansion_sizes(expansion: list[int]) -> list[int]:
+    """Most nodes at each depth for an expansion config <k_1, ..., k_m> (fewer when draws repeat)."""
+    sizes, width = [], 1
+    for k in expansion:
+        width *= k
+        sizes.append(width)
+    return sizes
+
+
+def parse_expansion(text: str) -> list[int]:
+    """'1,1,3,1' -> [1, 1, 3, 1]; an empty string means no speculation."""
+    text = text.strip()
+    if not text:
+        return []
+    try:
+        ks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"expansion: expected comma-separated integers, got {text!r}") from None
+    if any(k < 1 for k in ks):
+        raise ValueError(f"expansion: every k_i must be >= 1, got {text!r}")
+    return ks

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random Llama checkpoints, the shipped models and the held-out prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+def save_random_llama(path: Path, seed: int, vocab: int = 64, hidden: int = 32, layers: int = 2,
+                      heads: int = 4, kv_heads: int = 2, logit_scale: float = 1.0, **extra) -> LlamaForCausalLM:
+    """A random Llama checkpoint directory; logit_scale > 1 sharpens its next-token distributions."""
+    torch.manual_seed(seed)
+    extra = {"tie_word_embeddings": False, "eos_token_id": None, **extra}
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=512, **extra)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(HF LLM, LLM dir, SSM dir): a random 64-token-vocabulary LLM and an unrelated random SSM."""
+    root = tmp_path_factory.mktemp("tiny")
+    hf = save_random_llama(root / "llm", seed=0, hidden=64, logit_scale=20.0)
+    save_random_llama(root / "ssm", seed=1, hidden=16, layers=1, logit_scale=20.0)
+    return hf, root / "llm", root / "ssm"
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts() -> list[dict]:
+    with open(MODELS / "heldout_prompts.jsonl") as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,87 @@
+"""Token tree structure: merge, DFS layout, ancestor mask, depths."""
+
+import random
+
+import pytest
+import torch
+
+from specinfer.tree import TokenTree, ancestor_mask, dfs_order, expansion_sizes, merge, parse_expansion, reorder
+
+
+def random_tree(rng: random.Random, n: int, vocab: int = 5) -> TokenTree:
+    """A random tree with unique sibling tokens, nodes in creation order (not necessarily DFS)."""
+    tokens, parents = [], []
+    for _ in range(n):
+        p = rng.randrange(-1, len(tokens))
+        used = {t for t, q in zip(tokens, parents) if q == p}
+        free = [t for t in range(vocab) if t not in used]
+        if not free:
+            continue
+        tokens.append(rng.choice(free))
+        parents.append(p)
+    return TokenTree(tokens, parents)
+
+
+def is_dfs(parents: list[int]) -> bool:
+    """Preorder: each node's parent lies on the root path of the node just before it."""
+    stack: list[int] = []
+    for u, p in enumerate(parents):
+        while stack and stack[-1] != p:
+            stack.pop()
+        if p >= 0 and not stack:
+            return False
+        stack.append(u)
+    return True
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merge_paths_are_exactly_the_union_of_input_paths(seed):
+    rng = random.Random(seed)
+    trees = [random_tree(rng, rng.randrange(0, 12)) for _ in range(rng.randrange(1, 4))]
+    merged = merge(trees)
+    want = set().union(*(set(t.paths()) for t in trees))
+    assert set(merged.paths()) == want
+    assert len(merged.paths()) == len(want)  # no path twice
+    assert is_dfs(merged.parents)
+
+
+def test_merge_keeps_draft_groups_remapped_to_merged_nodes():
+    from specinfer.tree import DraftGroup
+
+    a = TokenTree([7, 8], [-1, 0], [DraftGroup(-1, [7, 1], [0.6, 0.4], [0], False)])
+    b = TokenTree([1, 7, 9], [-1, -1, 1], [DraftGroup(-1, [1, 7], [0.5, 0.5], [0, 1, 0], True)])
+    m = merge([a, b])
+    by_path = {p: u for u, p in enumerate(m.paths())}
+    assert [m.groups[0].children, m.groups[1].children] == [
+        [by_path[(7,)]], [by_path[(1,)], by_path[(7,)], by_path[(1,)]]]
+    assert m.groups[1].replacement and not m.groups[0].replacement
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dfs_reorder_preserves_paths_and_is_dfs(seed):
+    tree = random_tree(random.Random(seed), 15)
+    t = reorder(tree, dfs_order(tree.parents))
+    assert sorted(t.paths()) == sorted(tree.paths())
+    assert is_dfs(t.parents)
+
+
+def test_ancestor_mask_marks_exactly_ancestors_and_self():
+    tree = random_tree(random.Random(3), 14)
+    mask = ancestor_mask(tree.parents)
+    for u in range(len(tree)):
+        assert set(torch.nonzero(mask[u]).flatten().tolist()) == set(tree.path_to(u))
+
+
+def test_depths_and_expansion_sizes():
+    tree = TokenTree([1, 2, 3, 4], [-1, 0, 0, 2])
+    assert tree.depths() == [1, 2, 2, 3]
+    assert expansion_sizes([1, 1, 3, 1]) == [1, 1, 3, 3]
+    assert parse_expansion("1,1,3,1") == [1, 1, 3, 1]
+    assert parse_expansion("") == []
+    with pytest.raises(ValueError, match="expansion"):
+        parse_expansion("1,0")
+
+
+def test_parents_must_precede_children():
+    with pytest.raises(ValueError, match="parent"):
+        TokenTree([1, 2], [1, -1])

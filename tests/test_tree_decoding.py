@@ -1,0 +1,122 @@
+"""Tree-based parallel decoding: one forward over a ragged batch of trees gives, for every node u,
+the logits Hugging Face's own model gives for plain causal decoding of prefix + S_u."""
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specinfer.model import LlamaModel, StepInput
+from specinfer.tree import TokenTree, dfs_order, reorder
+
+from .conftest import save_random_llama
+
+ATOL = 1e-4  # float32; observed differences are ~1e-6
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> TokenTree:
+    parents = [rng.randrange(-1, u) for u in range(n)]
+    tree = TokenTree([rng.randrange(vocab) for _ in range(n)], parents)
+    return reorder(tree, dfs_order(tree.parents))
+
+
+SHAPES = {
+    "chain": lambda rng, v: TokenTree([rng.randrange(v) for _ in range(6)], [-1, 0, 1, 2, 3, 4]),
+    "wide": lambda rng, v: TokenTree([rng.randrange(v) for _ in range(8)], [-1] * 8),
+    "one_node": lambda rng, v: TokenTree([rng.randrange(v)], [-1]),
+    "random": lambda rng, v: random_tree(rng, 20, v),
+}
+
+
+def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def check_batch(hf, model, rng, prefix_lens, shapes):
+    vocab = model.cfg.vocab_size
+    caches = [model.new_cache() for _ in prefix_lens]
+    prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in prefix_lens]
+    trees = [SHAPES[s](rng, vocab) for s in shapes]
+    out = model([StepInput(c, p, t.tokens, t.parents) for c, p, t in zip(caches, prefixes, trees)])
+    for prefix, tree, logits in zip(prefixes, trees, out):
+        assert logits.shape == (len(tree) + 1, vocab)
+        torch.testing.assert_close(logits[0], reference_logits(hf, prefix), atol=ATOL, rtol=0)
+        for u, path in enumerate(tree.paths()):
+            torch.testing.assert_close(logits[1 + u], reference_logits(hf, prefix + list(path)), atol=ATOL, rtol=0)
+    return caches, prefixes, trees
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_tree_node_matches_causal_decoding_of_its_path(tiny_pair, seed):
+    hf, llm_dir, _ = tiny_pair
+    model = LlamaModel.from_pretrained(llm_dir)
+    rng = random.Random(seed)
+    check_batch(hf, model, rng, [1, 5, 17, 40], ["chain", "wide", "one_node", "random"])
+
+
+def test_committed_path_kv_serves_the_next_step(tiny_pair):
+    """After committing an accepted path (KV moved, rest dropped), the next step's new token and
+    tree still match causal decoding of prefix + path + bonus."""
+    hf, llm_dir, _ = tiny_pair
+    model = LlamaModel.from_pretrained(llm_dir)
+    rng = random.Random(7)
+    caches, prefixes, trees = check_batch(hf, model, rng, [3, 9], ["random", "random"])
+    items, records = [], []
+    for cache, prefix, tree in zip(caches, prefixes, trees):
+        leaf = max(range(len(tree)), key=lambda u: len(tree.path_to(u)))
+        path = tree.path_to(leaf)
+        cache.commit(path)
+        assert cache.length == len(prefix) + len(path)
+        bonus = rng.randrange(model.cfg.vocab_size)
+        nxt = random_tree(rng, 10, model.cfg.vocab_size)
+        records.append((prefix + [tree.tokens[u] for u in path] + [bonus], nxt))
+        items.append(StepInput(cache, [bonus], nxt.tokens, nxt.parents))
+    for (record, nxt), logits in zip(records, model(items)):
+        torch.testing.assert_close(logits[0], reference_logits(hf, record), atol=ATOL, rtol=0)
+        for u, path in enumerate(nxt.paths()):
+            torch.testing.assert_close(logits[1 + u], reference_logits(hf, record + list(path)), atol=ATOL, rtol=0)
+
+
+def test_ssm_style_level_by_level_growth_matches_causal_decoding(tiny_pair):
+    """Nodes added over several forwards (as an SSM grows its tree) attend to earlier levels."""
+    hf, llm_dir, _ = tiny_pair
+    model = LlamaModel.from_pretrained(llm_dir)
+    cache = model.new_cache()
+    prefix = [3, 1, 4, 1, 5]
+    model([StepInput(cache, prefix, [], [])])
+    level1 = model([StepInput(cache, [], [9, 2], [-1, -1])])[0]
+    level2 = model([StepInput(cache, [], [6, 5, 3], [0, 0, 1])])[0]
+    for row, path in zip(list(level1) + list(level2), [[9], [2], [9, 6], [9, 5], [2, 3]]):
+        torch.testing.assert_close(row, reference_logits(hf, prefix + path), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_bias", "llama3_rope", "linear_rope", "tied_mha"])
+def test_llama_family_variants_match_transformers(tmp_path, variant):
+    if variant == "qwen2_bias":
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+        hf = Qwen2ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for layer in hf.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+        hf.save_pretrained(tmp_path)
+    elif variant == "llama3_rope":
+        hf = save_random_llama(tmp_path, 0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16})
+    elif variant == "linear_rope":
+        hf = save_random_llama(tmp_path, 0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    else:
+        hf = save_random_llama(tmp_path, 0, kv_heads=4, tie_word_embeddings=True)
+    model = LlamaModel.from_pretrained(tmp_path)
+    check_batch(hf, model, random.Random(1), [2, 30], ["random", "chain"])
+
+
+def test_unsupported_checkpoint_is_refused_with_the_field_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaModel.from_pretrained(tmp_path)
