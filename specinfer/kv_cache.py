@@ -50,6 +50,7 @@ class KVCache:
         if n_new and n_old_tree:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
         first = self.length + n_old_tree
+        self._reserve(first + n_new + len(tree_tokens))
         self.length += n_new
         depths = []
         for t, p in zip(tree_tokens, tree_parents):
@@ -61,7 +62,6 @@ class KVCache:
             self.tree_depths.append(d)
             depths.append(d)
         n_tree = len(self.tree_tokens)
-        self._reserve(self.length + n_tree)
         self._grow_tree_mask(n_old_tree)
 
         n = n_new + len(tree_tokens)

@@ -218,7 +218,7 @@ class LlamaModel(nn.Module):
         c = self.cfg
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, items: list[StepInput]) -> list[torch.Tensor]:
         """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32):
         first the last new committed token's row (if it has new tokens), then one row per new tree

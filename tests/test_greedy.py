@@ -1,0 +1,149 @@
+"""Greedy speculative generation is token-for-token the LLM's own incremental greedy decoding
+(transformers' `generate(do_sample=False)`), in every mode, for batches of prompts of different
+lengths; plus the edge cases of a step: empty tree, one node, EOS or max_new_tokens inside an
+accepted path."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specinfer.generate import Engine, Mode, Request, validate
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
+from specinfer.verifier import Verifier, VerifyRequest
+
+from .conftest import MODELS
+
+NEW_TOKENS = 64
+N_PROMPTS = 10
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    tok = AutoTokenizer.from_pretrained(MODELS / "llm")
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / "llm", dtype=torch.float32).eval()
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    ssms = [LlamaModel.from_pretrained(MODELS / f"ssm-{i}") for i in range(2)]
+    return tok, hf, llm, ssms
+
+
+@pytest.fixture(scope="module")
+def reference(shipped, heldout_prompts):
+    tok, hf, llm, _ = shipped
+    prompts = [tok(p["prompt"])["input_ids"] for p in heldout_prompts[:N_PROMPTS]]
+    assert len({len(p) for p in prompts}) > 1, "want prompts of different lengths"
+    return prompts, [hf_greedy(hf, p, NEW_TOKENS, eos=llm.cfg.eos_token_ids[0]) for p in prompts]
+
+
+@pytest.mark.parametrize("mode,expansion", [
+    (Mode.INCREMENTAL, None),
+    (Mode.SEQUENCE, [1] * 8),
+    (Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1]),
+    (Mode.TREE, [2, 2, 2, 1, 1]),
+    (Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1]),
+])
+def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, expansion):
+    _, _, llm, ssms = shipped
+    prompts, want = reference
+    gens = Engine(llm, ssms, mode, expansion).generate([Request(p, NEW_TOKENS) for p in prompts])
+    assert [g.token_ids for g in gens] == want
+    if mode != Mode.INCREMENTAL:
+        assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_pair):
+    """The LLM as its own SSM: every draft on the greedy path is accepted, so paths are long."""
+    hf, llm_dir, _ = tiny_pair
+    llm = LlamaModel.from_pretrained(llm_dir)
+    return hf, llm
+
+
+def test_empty_tree_is_a_plain_incremental_step(oracle):
+    hf, llm = oracle
+    verifier = Verifier(llm)
+    prompt = [5, 9, 2]
+    first = verifier.step([VerifyRequest("a", prompt)])[0]
+    second = verifier.step([VerifyRequest("a", [], TokenTree())])[0]
+    assert first.path == second.path == []
+    assert first.tokens + second.tokens == hf_greedy(hf, prompt, 2)
+
+
+def test_one_node_tree_accepts_or_rejects_by_argmax(oracle):
+    hf, llm = oracle
+    prompt = [3, 3, 7]
+    want = hf_greedy(hf, prompt, 3)
+    for node, accepted in [(want[1], True), ((want[1] + 1) % llm.cfg.vocab_size, False)]:
+        verifier = Verifier(llm)
+        verifier.step([VerifyRequest("a", prompt)])
+        v = verifier.step([VerifyRequest("a", [], TokenTree([node], [-1]))])[0]
+        assert v.tokens == (want[1:3] if accepted else want[1:2])
+
+
+def test_eos_inside_an_accepted_path_ends_the_output_there(oracle):
+    hf, llm = oracle
+    prompt = [1, 2, 3, 4]
+    free = hf_greedy(hf, prompt, 24)
+    stop_at = next(i for i in range(3, len(free)) if free[i] not in free[:i])  # a first occurrence
+    eos = free[stop_at]
+    llm_eos = replace(llm.cfg, eos_token_ids=(eos,))
+    llm.cfg = llm_eos
+    try:
+        gen = Engine(llm, [llm], Mode.TREE, [1] * 8).generate([Request(prompt, 24)])[0]
+    finally:
+        llm.cfg = replace(llm_eos, eos_token_ids=())
+    assert gen.token_ids == free[: stop_at + 1]
+    assert gen.finish_reason == "eos"
+    # the prefill emits token 0; the first step's accepted path covers tokens 1..accepted[0]
+    assert gen.accepted[0] >= stop_at, "EOS was not inside an accepted path"
+
+
+def test_stop_token_ends_the_output_and_ignore_eos_goes_on(oracle):
+    hf, llm = oracle
+    prompt = [8, 8, 1]
+    free = hf_greedy(hf, prompt, 20)
+    stop = free[4]
+    engine = Engine(llm, [llm], Mode.TREE, [1] * 8)
+    gen = engine.generate([Request(prompt, 20, stop_token_ids=(stop,))])[0]
+    assert gen.token_ids == free[: free.index(stop) + 1] and gen.finish_reason == "stop"
+    llm.cfg = replace(llm.cfg, eos_token_ids=(stop,))
+    try:
+        gen = engine.generate([Request(prompt, 20, ignore_eos=True)])[0]
+    finally:
+        llm.cfg = replace(llm.cfg, eos_token_ids=())
+    assert gen.token_ids == free and gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 9, 10, 13])
+def test_never_more_tokens_than_asked_even_mid_path(oracle, max_new_tokens):
+    hf, llm = oracle
+    prompt = [6, 1, 6]
+    gen = Engine(llm, [llm], Mode.TREE, [1] * 8).generate([Request(prompt, max_new_tokens)])[0]
+    assert gen.token_ids == hf_greedy(hf, prompt, max_new_tokens)
+    assert gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("field,request_", [
+    ("prompt", Request([])),
+    ("prompt", Request([10**6])),
+    ("max_new_tokens", Request([1], 0)),
+    ("max_new_tokens", Request([1], 10**6)),
+    ("temperature", Request([1], 4, SamplingParams(temperature=-1))),
+    ("temperature", Request([1], 4, SamplingParams(temperature=float("nan")))),
+    ("top_p", Request([1], 4, SamplingParams(temperature=1, top_p=0))),
+    ("top_p", Request([1], 4, SamplingParams(temperature=1, top_p=1.5))),
+    ("top_k", Request([1], 4, SamplingParams(temperature=1, top_k=-1))),
+])
+def test_bad_requests_are_refused_naming_the_field(field, request_):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        validate(request_, vocab_size=64, context=512)

@@ -1,0 +1,204 @@
+"""Stochastic verification preserves the LLM's distribution exactly.
+
+Each test runs many seeded requests through the real Engine (speculators, merge, verifier) and
+compares the emitted tokens with the exact distribution of plain sampling from the LLM with a
+chi-square goodness-of-fit test. A deliberately wrong acceptance rule is rejected by the same test,
+so the test has power.
+
+Two kinds of model:
+- `MarkovModel`: next-token logits depend only on the last token (logits = log P[last]). It has the
+  model interface the engine uses, so deep trees and many draws are cheap and the exact target is
+  a product of matrix rows.
+- tiny random Llama checkpoints (vocabulary 6), end to end through the real runner.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specinfer import verifier as verifier_module
+from specinfer.generate import Engine, Mode, Request
+from specinfer.kv_cache import KVCache
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams, probabilities
+from specinfer.verify import Verdict
+
+from .conftest import save_random_llama
+
+ALPHA = 1e-3  # a correct rule fails with this probability per test (seeds are fixed, so never flaky)
+
+
+class MarkovModel:
+    def __init__(self, P: torch.Tensor):
+        self.logits = P.log()
+        self.cfg = SimpleNamespace(vocab_size=P.shape[0], eos_token_ids=(), max_position_embeddings=1 << 20)
+
+    def new_cache(self, capacity: int = 64) -> KVCache:
+        return KVCache(1, 1, 1, torch.float32, capacity=capacity)
+
+    def __call__(self, items):
+        out = []
+        for it in items:
+            it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
+            rows = it.new_tokens[-1:] + it.tree_tokens
+            out.append(self.logits[rows])
+        return out
+
+
+def random_chain(seed: int, vocab: int, sharpness: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (sharpness * torch.randn(vocab, vocab, generator=g)).softmax(-1)
+
+
+def chi_square_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Goodness of fit of observed outcome counts to exact probabilities; cells with an expected
+    count under 5 are pooled into one."""
+    n = len(samples)
+    counts: dict[tuple[int, ...], int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    assert set(counts) <= {k for k, p in exact.items() if p > 0}, "an impossible outcome was emitted"
+    obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
+    for cell, p in exact.items():
+        if n * p >= 5:
+            obs.append(counts.get(cell, 0))
+            exp.append(n * p)
+        else:
+            pool_obs += counts.get(cell, 0)
+            pool_exp += n * p
+    if pool_exp > 0:
+        obs.append(pool_obs)
+        exp.append(pool_exp)
+    exp = [e * n / sum(exp) for e in exp]  # absorb float rounding
+    return float(chisquare(obs, exp).pvalue)
+
+
+def markov_exact(P: torch.Tensor, start: int, params: SamplingParams, skip: int, keep: int) -> dict:
+    """Exact law of emitted tokens skip+1 .. skip+keep under plain sampling from the chain."""
+    T = probabilities(P.log(), params).double()
+    v = P.shape[0]
+    state = T[start]
+    for _ in range(skip):
+        state = state @ T  # marginal of the last skipped token
+    exact = {}
+    for cell in itertools.product(range(v), repeat=keep):
+        p = state[cell[0]]
+        for a, b in zip(cell, cell[1:]):
+            p = p * T[a, b]
+        exact[cell] = float(p)
+    return exact
+
+
+def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4):
+    engine = Engine(llm, ssms, mode, expansion, replacement)
+    reqs = [Request(list(prompt), new_tokens, SamplingParams(params.temperature, params.top_k, params.top_p, seed=s))
+            for s in range(n)]
+    return engine.generate(reqs)
+
+
+V = 4
+P_LLM = random_chain(0, V, 1.5)
+P_SSM = [random_chain(1, V, 1.5), random_chain(2, V, 1.5)]
+T08 = SamplingParams(temperature=0.8)
+
+VARIANTS = {
+    # name: (mode, number of SSMs, expansion, draws with replacement, sampling)
+    "with_replacement": (Mode.TREE, 1, [2, 2, 2], True, T08),
+    "without_replacement": (Mode.TREE, 1, [3, 2, 2], False, T08),
+    "merged_two_ssms": (Mode.MERGED, 2, [2, 2, 2], False, T08),
+    "merged_with_replacement": (Mode.MERGED, 2, [2, 1, 2], True, T08),
+    "sequence": (Mode.SEQUENCE, 1, [1, 1, 1], False, T08),
+    "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], False, SamplingParams(temperature=1.3, top_k=3, top_p=0.8)),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_markov_emitted_tokens_follow_the_llm_distribution(name):
+    mode, n_ssm, expansion, replacement, params = VARIANTS[name]
+    llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM[:n_ssm]]
+    gens = run(llm, ssms, mode, expansion, params, n=6000, replacement=replacement)
+    # token 1 comes from the prefill; tokens 2-4 from the first speculative step (depth <= 2)
+    assert sum(g.accepted[0] for g in gens) > 0.3 * len(gens), "drafts were hardly ever accepted"
+    samples = [tuple(g.token_ids[1:4]) for g in gens]
+    assert chi_square_pvalue(samples, markov_exact(P_LLM, 0, params, skip=1, keep=3)) > ALPHA
+
+
+def verify_without_residual(tree, probs, gen) -> Verdict:
+    """WRONG on purpose: after a rejection the next draft is tested against p, not the residual."""
+    path, u = [], -1
+    while True:
+        p = probs[u + 1].double()
+        accepted = None
+        for group in tree.groups_of(u):
+            q = dict(zip(group.q_ids, group.q_probs))
+            for child in group.children:
+                x = tree.tokens[child]
+                if accepted is None and torch.rand((), generator=gen, dtype=torch.float64) * q[x] <= p[x]:
+                    accepted = child
+        if accepted is None:
+            bonus = int(torch.multinomial(p, 1, generator=gen))
+            return Verdict(path, [tree.tokens[x] for x in path] + [bonus])
+        path.append(accepted)
+        u = accepted
+
+
+def test_chi_square_rejects_a_rule_without_the_residual_update(monkeypatch):
+    monkeypatch.setattr(verifier_module, "verify_stochastic", verify_without_residual)
+    llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
+    gens = run(llm, ssms, Mode.MERGED, [2, 2, 2], T08, n=6000)
+    samples = [tuple(g.token_ids[1:4]) for g in gens]
+    assert chi_square_pvalue(samples, markov_exact(P_LLM, 0, T08, skip=1, keep=3)) < 1e-6
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
+    engine = Engine(llm, ssms, Mode.MERGED, [2, 2, 2])
+    req = lambda seed: Request([1, 2], 24, SamplingParams(0.9, seed=seed))
+    alone = engine.generate([req(42)])[0].token_ids
+    crowd = engine.generate([req(1), req(42), req(7)])[1].token_ids
+    again = engine.generate([req(42)])[0].token_ids
+    assert alone == crowd == again
+    assert engine.generate([req(43)])[0].token_ids != alone
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vocab6")
+    hf = save_random_llama(root / "llm", 10, vocab=6, hidden=32, logit_scale=40.0)
+    for i in range(2):
+        save_random_llama(root / f"ssm-{i}", 11 + i, vocab=6, hidden=16, layers=1, logit_scale=40.0)
+    return hf, LlamaModel.from_pretrained(root / "llm"), [LlamaModel.from_pretrained(root / f"ssm-{i}") for i in range(2)]
+
+
+def llama_exact(hf, prompt: list[int], params: SamplingParams, keep: int) -> dict:
+    """Exact law of generated tokens 2..keep+1 by enumerating every sequence with transformers."""
+    v = hf.config.vocab_size
+    seqs = [list(s) for s in itertools.product(range(v), repeat=keep)]  # tokens 1..keep
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + s for s in seqs])).logits[:, len(prompt) - 1:]
+    T = [probabilities(logits[:, i], params).double() for i in range(keep + 1)]  # row r: after s[:i]
+    # law of (x2..x_keep, x_{keep+1}): sum over x1 of p(x1..x_keep) * p(x_{keep+1} | x1..x_keep)
+    exact = {}
+    for r, s in enumerate(seqs):
+        p = T[0][r, s[0]]
+        for i in range(1, keep):
+            p = p * T[i][r, s[i]]
+        for nxt in range(v):
+            cell = tuple(s[1:]) + (nxt,)
+            exact[cell] = exact.get(cell, 0.0) + float(p * T[keep][r, nxt])
+    return exact
+
+
+@pytest.mark.parametrize("mode,replacement", [(Mode.TREE, True), (Mode.TREE, False), (Mode.MERGED, False)])
+def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement):
+    hf, llm, ssms = tiny_vocab
+    params = SamplingParams(temperature=0.9)
+    prompt = [1, 4, 2]
+    gens = run(llm, ssms, mode, [2, 2], params, n=3000, replacement=replacement, prompt=prompt, new_tokens=4)
+    samples = [tuple(g.token_ids[1:4]) for g in gens]
+    assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA
