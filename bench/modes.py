@@ -36,6 +36,10 @@ CONFIGS = [  # (label, mode, expansion)
     ("tree <3,2,2,1,1,1,1,1>", Mode.TREE, [3, 2, 2, 1, 1, 1, 1, 1]),
     ("merged 2 SSMs <1,1,3,1,1,1,1,1>", Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1]),
     ("merged 2 SSMs <2,2,2,1,1,1,1,1>", Mode.MERGED, [2, 2, 2, 1, 1, 1, 1, 1]),
+    # shallow shapes: on a 2-core CPU an SSM level costs ~1/3 of an LLM step (see README)
+    ("sequence <1x4>", Mode.SEQUENCE, [1] * 4),
+    ("tree <2,1,1>", Mode.TREE, [2, 1, 1]),
+    ("tree <2,1,1,1>", Mode.TREE, [2, 1, 1, 1]),
 ]
 
 

@@ -24,7 +24,6 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -90,23 +89,32 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def train_lm(model, data, steps, seq_len, batch, lr, gen, desc):
-    """Plain next-token pretraining on the corpus."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+def optimize(model, loss_of_step, steps, lr, weight_decay, betas, desc):
+    """AdamW with warmup + cosine decay; loss_of_step() draws its own batch and returns the loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
     model.train()
-    it = batches(data, seq_len, batch, gen)
     bar = tqdm(range(steps), desc=desc)
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        x = next(it)
-        loss = model(input_ids=x, labels=x).loss
+        loss = loss_of_step()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
+
+
+def train_lm(model, data, steps, seq_len, batch, lr, gen, desc):
+    """Plain next-token pretraining on the corpus."""
+    it = batches(data, seq_len, batch, gen)
+
+    def loss():
+        x = next(it)
+        return model(input_ids=x, labels=x).loss
+
+    optimize(model, loss, steps, lr, 0.1, (0.9, 0.95), desc)
 
 
 @torch.no_grad()
@@ -145,24 +153,15 @@ def distillation_set(llm, data, count, prompt_len, new_tokens, top_k, gen):
 def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, desc):
     """Minimize cross-entropy of the SSM against the LLM's sparse next-token distribution, at the
     positions where `weight` is 1 (all of them for SSM 0; the ones SSM 0 gets wrong for SSM 1)."""
-    opt = torch.optim.AdamW(ssm.parameters(), lr=lr, weight_decay=0.0)
-    steps = epochs * math.ceil(len(seqs) / batch)
-    ssm.train()
-    bar = tqdm(range(steps), desc=desc)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+
+    def loss():
         rows = torch.randint(0, len(seqs), (batch,), generator=gen)
         logp = ssm(input_ids=seqs[rows]).logits.float().log_softmax(-1)  # [B, T, V]
         ce = -(probs[rows].float() * logp.gather(-1, ids[rows].long())).sum(-1)  # [B, T]
         w = weight[rows]
-        loss = (ce * w).sum() / w.sum().clamp(min=1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ssm.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    ssm.eval()
+        return (ce * w).sum() / w.sum().clamp(min=1)
+
+    optimize(ssm, loss, epochs * math.ceil(len(seqs) / batch), lr, 0.0, (0.9, 0.999), desc)
 
 
 @torch.no_grad()

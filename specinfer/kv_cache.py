@@ -1,5 +1,8 @@
 """One request's key/value cache in one model: committed slots, then scratch slots for a draft tree.
 
+The cache also keeps the request's token record as this model knows it (`tokens`); the first
+`length` of them have their keys and values here, the rest are pending for the next forward.
+
 Layout per layer: [n_kv_heads, capacity, head_dim]. Slots [0, length) hold the committed tokens.
 Slots [length, length + n_tree) hold the current draft tree's nodes in the order they were added
 (DFS order for a verifier tree, level order for a tree an SSM is growing). After verification
@@ -20,7 +23,8 @@ class KVCache:
                  device: torch.device | str = "cpu", capacity: int = 64):
         self.k = torch.empty(n_layers, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
-        self.length = 0  # committed slots
+        self.tokens: list[int] = []  # the request's committed tokens as this model knows them
+        self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree_tokens: list[int] = []
         self.tree_parents: list[int] = []  # -1: child of the last committed token
         self.tree_depths: list[int] = []  # a child of the last committed token has depth 1
@@ -41,6 +45,11 @@ class KVCache:
         k[:, :, :used] = self.k[:, :, :used]
         v[:, :, :used] = self.v[:, :, :used]
         self.k, self.v = k, v
+
+    @property
+    def pending(self) -> list[int]:
+        """Committed tokens whose K/V are not here yet."""
+        return self.tokens[self.length :]
 
     def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole

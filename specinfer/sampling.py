@@ -61,15 +61,14 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [V] -> (ids [k'], probs [k']): the k most likely tokens, renormalized, zeros dropped.
+    """probs [R, V] -> (ids [R, K], probs [R, K]): each row's K = min(k, V) most likely tokens in
+    descending order, renormalized; tokens of zero probability come last with probability 0.
 
     The result is itself the exact distribution drafts are drawn from, so the sparse pairs are all
     the verifier needs to know about q.
     """
-    values, ids = probs.topk(min(k, probs.numel()))
-    keep = values > 0
-    values, ids = values[keep], ids[keep]
-    return ids, values / values.sum()
+    values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    return ids, values / values.sum(dim=-1, keepdim=True)
 
 
 def request_generator(seed: int, *keys: int | str) -> torch.Generator:

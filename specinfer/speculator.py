@@ -35,40 +35,33 @@ class DraftRequest:
     replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
 
 
-@dataclass
-class _State:
-    cache: KVCache
-    tokens: list[int] = field(default_factory=list)
-
-
 class Speculator:
     def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32):
         self.model = model
         self.index = index  # keeps each SSM's random draws independent of the others'
         self.q_top = q_top
-        self.states: dict[str, _State] = {}
+        self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        self.caches.pop(request_id, None)
 
-    def _sync(self, req: DraftRequest) -> tuple[_State, list[int]]:
-        """Record new tokens, keep the KV of the part of the last tree they confirm, and return the
-        committed tokens the cache still lacks (always at least the last one: the root)."""
-        st = self.states.get(req.request_id)
-        if st is None:
-            st = self.states[req.request_id] = _State(self.model.new_cache())
-        st.tokens.extend(req.new_tokens)
-        if not st.tokens:
+    def _sync(self, req: DraftRequest) -> KVCache:
+        """Record new tokens and keep the KV of the part of the last tree they confirm; the root
+        (the last token) always stays pending, so the first forward yields its row."""
+        cache = self.caches.get(req.request_id)
+        if cache is None:
+            cache = self.caches[req.request_id] = self.model.new_cache()
+        cache.tokens.extend(req.new_tokens)
+        if not cache.tokens:
             raise ValueError(f"request {req.request_id}: no tokens to draft from")
-        cache = st.cache
-        cache.commit(cache.matching_path(st.tokens[cache.length : -1]))
-        return st, st.tokens[cache.length :]
+        cache.commit(cache.matching_path(cache.tokens[cache.length : -1]))
+        return cache
 
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
         trees = [TokenTree() for _ in batch]
-        states, pending = zip(*(self._sync(r) for r in batch)) if batch else ((), ())
-        gens = [request_generator(r.sampling.seed, "draft", self.index, len(st.tokens))
-                for r, st in zip(batch, states)]
+        caches = [self._sync(r) for r in batch]
+        gens = [None if r.sampling.greedy else request_generator(r.sampling.seed, "draft", self.index, len(c.tokens))
+                for r, c in zip(batch, caches)]
         active = [i for i, r in enumerate(batch) if r.expansion]
         # frontier[i]: tree nodes of request i added at the previous level, not yet run through the SSM
         frontier: dict[int, list[int]] = {i: [] for i in active}
@@ -76,7 +69,7 @@ class Speculator:
         while active:
             # Nodes enter the SSM cache level by level in tree-index order, so a node's index in
             # the cache's scratch tree equals its tree index, and tree parents index the scratch.
-            items = [StepInput(states[i].cache, pending[i] if depth == 0 else [],
+            items = [StepInput(caches[i], caches[i].pending if depth == 0 else [],
                                [trees[i].tokens[u] for u in frontier[i]],
                                [trees[i].parents[u] for u in frontier[i]])
                      for i in active]
@@ -101,20 +94,30 @@ class Speculator:
                 for t in tokens:
                     new.append(_add(tree, parent, t))
             return new
-        probs = probabilities(logits, req.sampling)
-        for parent, row in zip(parents, probs):
-            q_ids, q_probs = sparsify(row, self.q_top)
-            n = k if req.replacement else min(k, q_ids.numel())
-            draws = torch.multinomial(q_probs, n, replacement=req.replacement, generator=gen)
+        q_ids, q_probs = sparsify(probabilities(logits, req.sampling), self.q_top)  # [R, K] each
+        support = (q_probs > 0).sum(dim=-1).tolist()
+        draws = _draw(q_probs, k, req.replacement, support, gen)
+        ids, ps = q_ids.tolist(), q_probs.tolist()
+        for r, parent in enumerate(parents):
+            made: dict[int, int] = {}  # token -> node: repeated draws of one token are one node
             children = []
-            for t in q_ids[draws].tolist():
-                c = tree.child_with_token(parent, t)
-                if c is None:
-                    c = _add(tree, parent, t)
-                    new.append(c)
-                children.append(c)
-            tree.groups.append(DraftGroup(parent, q_ids.tolist(), q_probs.tolist(), children, req.replacement))
+            for j in draws[r]:
+                t = ids[r][j]
+                if t not in made:
+                    made[t] = _add(tree, parent, t)
+                    new.append(made[t])
+                children.append(made[t])
+            n = support[r]
+            tree.groups.append(DraftGroup(parent, ids[r][:n], ps[r][:n], children, req.replacement))
         return new
+
+
+def _draw(q: torch.Tensor, k: int, replacement: bool, support: list[int], gen: torch.Generator) -> list[list[int]]:
+    """k draws per row of q [R, K] (indices into K): i.i.d., or sequential without replacement
+    (at most the row's support), one multinomial call for all rows when the support allows."""
+    if replacement or min(support) >= k:
+        return torch.multinomial(q, k, replacement=replacement, generator=gen).tolist()
+    return [torch.multinomial(row, min(k, n), generator=gen).tolist() for row, n in zip(q, support)]
 
 
 def _add(tree: TokenTree, parent: int, token: int) -> int:

@@ -29,40 +29,33 @@ class VerifyRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
-@dataclass
-class _State:
-    cache: KVCache
-    tokens: list[int] = field(default_factory=list)
-
-
 class Verifier:
     def __init__(self, model: LlamaModel):
         self.model = model
-        self.states: dict[str, _State] = {}
+        self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        self.caches.pop(request_id, None)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
         items = []
         for req in batch:
-            st = self.states.get(req.request_id)
-            if st is None:
-                st = self.states[req.request_id] = _State(self.model.new_cache(len(req.new_tokens) + 64))
-            st.tokens.extend(req.new_tokens)
-            pending = st.tokens[st.cache.length :]
-            if not pending:
+            cache = self.caches.get(req.request_id)
+            if cache is None:
+                cache = self.caches[req.request_id] = self.model.new_cache(len(req.new_tokens) + 64)
+            cache.tokens.extend(req.new_tokens)
+            if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
-            items.append(StepInput(st.cache, pending, req.tree.tokens, req.tree.parents))
+            items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents))
         verdicts = []
         for req, logits in zip(batch, self.model(items)):  # logits [1 + n_tree, V]
-            st = self.states[req.request_id]
+            cache = self.caches[req.request_id]
             if req.sampling.greedy:
                 verdict = verify_greedy(req.tree, logits.argmax(dim=-1).tolist())
             else:
-                gen = request_generator(req.sampling.seed, "verify", len(st.tokens))
+                gen = request_generator(req.sampling.seed, "verify", len(cache.tokens))
                 verdict = verify_stochastic(req.tree, probabilities(logits, req.sampling), gen)
-            st.cache.commit(verdict.path)
-            st.tokens.extend(verdict.tokens)
+            cache.commit(verdict.path)
+            cache.tokens.extend(verdict.tokens)
             verdicts.append(verdict)
         return verdicts
