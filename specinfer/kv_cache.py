@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .tree import ancestor_mask
+
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -71,7 +73,7 @@ class KVCache:
             self.tree_depths.append(d)
             depths.append(d)
         n_tree = len(self.tree_tokens)
-        self._grow_tree_mask(n_old_tree)
+        self.tree_mask = ancestor_mask(self.tree_parents, self.tree_mask)
 
         n = n_new + len(tree_tokens)
         total = self.length + n_tree
@@ -85,17 +87,6 @@ class KVCache:
         mask[n_new:, : self.length] = True
         mask[n_new:, self.length :] = self.tree_mask[n_old_tree:]
         return first, positions, mask
-
-    def _grow_tree_mask(self, n_old: int) -> None:
-        n = len(self.tree_tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[:n_old, :n_old] = self.tree_mask
-        for u in range(n_old, n):
-            p = self.tree_parents[u]
-            if p >= 0:
-                mask[u] = mask[p]
-            mask[u, u] = True
-        self.tree_mask = mask
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""

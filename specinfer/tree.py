@@ -49,16 +49,6 @@ class TokenTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def depths(self) -> list[int]:
-        """Depth of each node; a child of the root has depth 1."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return d
-
-    def children(self, u: int) -> list[int]:
-        return [c for c, p in enumerate(self.parents) if p == u]
-
     def child_with_token(self, u: int, token: int) -> int | None:
         for c, p in enumerate(self.parents):
             if p == u and self.tokens[c] == token:
@@ -72,25 +62,21 @@ class TokenTree:
             out.append((out[p] if p >= 0 else ()) + (t,))
         return out
 
-    def path_to(self, u: int) -> list[int]:
-        """Node indices from the root's child down to u."""
-        path = []
-        while u >= 0:
-            path.append(u)
-            u = self.parents[u]
-        return path[::-1]
-
     def groups_of(self, u: int) -> list[DraftGroup]:
         return [g for g in self.groups if g.parent == u]
 
 
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: mask[u, v] is True iff v is u or an ancestor of u (topology-aware causal mask)."""
-    n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for u, p in enumerate(parents):
-        if p >= 0:
-            mask[u] |= mask[p]
+def ancestor_mask(parents: list[int], known: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, n] bool: mask[u, v] is True iff v is u or an ancestor of u (topology-aware causal mask).
+    known: the mask of the first nodes, already computed (for a tree grown level by level)."""
+    n, m = len(parents), 0 if known is None else known.shape[0]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    if m:
+        mask[:m, :m] = known
+    for u in range(m, n):
+        if parents[u] >= 0:
+            mask[u] = mask[parents[u]]
+        mask[u, u] = True
     return mask
 
 
@@ -145,15 +131,6 @@ def merge(trees: list[TokenTree]) -> TokenTree:
             groups.append(DraftGroup(parent, g.q_ids, g.q_probs, [local[c] for c in g.children], g.replacement))
     merged = TokenTree(tokens, parents, groups)
     return reorder(merged, dfs_order(parents))
-
-
-def expansion_sizes(expansion: list[int]) -> list[int]:
-    """Most nodes at each depth for an expansion config <k_1, ..., k_m> (fewer when draws repeat)."""
-    sizes, width = [], 1
-    for k in expansion:
-        width *= k
-        sizes.append(width)
-    return sizes
 
 
 def parse_expansion(text: str) -> list[int]:

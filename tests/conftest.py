@@ -41,3 +41,12 @@ def tiny_pair(tmp_path_factory):
 def heldout_prompts() -> list[dict]:
     with open(MODELS / "heldout_prompts.jsonl") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def path_to(tree, u: int) -> list[int]:
+    """Node indices from the root's child down to u."""
+    path = []
+    while u >= 0:
+        path.append(u)
+        u = tree.parents[u]
+    return path[::-1]

@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from specinfer.tree import TokenTree, ancestor_mask, dfs_order, expansion_sizes, merge, parse_expansion, reorder
+from specinfer.tree import TokenTree, ancestor_mask, dfs_order, merge, parse_expansion, reorder
+
+from .conftest import path_to
 
 
 def random_tree(rng: random.Random, n: int, vocab: int = 5) -> TokenTree:
@@ -69,13 +71,16 @@ def test_ancestor_mask_marks_exactly_ancestors_and_self():
     tree = random_tree(random.Random(3), 14)
     mask = ancestor_mask(tree.parents)
     for u in range(len(tree)):
-        assert set(torch.nonzero(mask[u]).flatten().tolist()) == set(tree.path_to(u))
+        assert set(torch.nonzero(mask[u]).flatten().tolist()) == set(path_to(tree, u))
 
 
-def test_depths_and_expansion_sizes():
-    tree = TokenTree([1, 2, 3, 4], [-1, 0, 0, 2])
-    assert tree.depths() == [1, 2, 2, 3]
-    assert expansion_sizes([1, 1, 3, 1]) == [1, 1, 3, 3]
+def test_ancestor_mask_grows_level_by_level_as_from_scratch():
+    tree = random_tree(random.Random(5), 16)
+    full = ancestor_mask(tree.parents)
+    assert torch.equal(ancestor_mask(tree.parents, ancestor_mask(tree.parents[:7])), full)
+
+
+def test_parse_expansion():
     assert parse_expansion("1,1,3,1") == [1, 1, 3, 1]
     assert parse_expansion("") == []
     with pytest.raises(ValueError, match="expansion"):

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from specinfer.model import LlamaModel, StepInput
 from specinfer.tree import TokenTree, dfs_order, reorder
 
-from .conftest import save_random_llama
+from .conftest import path_to, save_random_llama
 
 ATOL = 1e-4  # float32; observed differences are ~1e-6
 
@@ -65,8 +65,8 @@ def test_committed_path_kv_serves_the_next_step(tiny_pair):
     caches, prefixes, trees = check_batch(hf, model, rng, [3, 9], ["random", "random"])
     items, records = [], []
     for cache, prefix, tree in zip(caches, prefixes, trees):
-        leaf = max(range(len(tree)), key=lambda u: len(tree.path_to(u)))
-        path = tree.path_to(leaf)
+        leaf = max(range(len(tree)), key=lambda u: len(path_to(tree, u)))
+        path = path_to(tree, leaf)
         cache.commit(path)
         assert cache.length == len(prefix) + len(path)
         bonus = rng.randrange(model.cfg.vocab_size)
