@@ -84,7 +84,6 @@ class Engine:
         if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
             raise ValueError("LLM and SSMs must share a tokenizer (vocab sizes differ)")
         self.llm = llm
-        self.mode = mode
         self.expansion = list(expansion if expansion is not None else PAPER_EXPANSION)
         if mode == Mode.SEQUENCE:
             self.expansion = [1] * len(self.expansion)
@@ -133,11 +132,13 @@ class Engine:
         for s, spec in enumerate(self.speculators):
             batch = []
             for i, req in live.items():
-                record = req.prompt + out[i].token_ids
+                generated = out[i].token_ids
+                sent, p = told[s, i], len(req.prompt)  # the record is prompt + generated
+                new = req.prompt[sent:] + generated[max(0, sent - p):]
+                told[s, i] = p + len(generated)
                 # never draft past max_new_tokens: a step emits the accepted path plus one bonus
-                depth = min(len(self.expansion), req.max_new_tokens - len(out[i].token_ids) - 1)
-                batch.append(DraftRequest(i, record[told[s, i]:], self.expansion[:depth], req.sampling, self.replacement))
-                told[s, i] = len(record)
+                depth = min(len(self.expansion), req.max_new_tokens - len(generated) - 1)
+                batch.append(DraftRequest(i, new, self.expansion[:depth], req.sampling, self.replacement))
             for dr, tree in zip(batch, spec.draft(batch)):
                 per_request[dr.request_id].append(tree)
         return {i: (trees[0] if len(trees) == 1 else merge(trees)) for i, trees in per_request.items()}

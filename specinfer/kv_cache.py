@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .tree import ancestor_mask
+from .tree import TokenTree, ancestor_mask
 
 
 class KVCache:
@@ -27,9 +27,8 @@ class KVCache:
         self.v = torch.empty_like(self.k)
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
-        self.tree_tokens: list[int] = []
-        self.tree_parents: list[int] = []  # -1: child of the last committed token
-        self.tree_depths: list[int] = []  # a child of the last committed token has depth 1
+        self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
+        self.tree_depths: list[int] = []  # a child of the root has depth 1
         self.tree_mask = torch.zeros(0, 0, dtype=torch.bool)  # [n_tree, n_tree] ancestor-or-self
 
     @property
@@ -43,7 +42,7 @@ class KVCache:
         shape = (self.k.shape[0], self.k.shape[1], new, self.k.shape[3])
         k = self.k.new_empty(shape)
         v = self.v.new_empty(shape)
-        used = self.length + len(self.tree_tokens)
+        used = self.length + len(self.tree)
         k[:, :, :used] = self.k[:, :, :used]
         v[:, :, :used] = self.v[:, :, :used]
         self.k, self.v = k, v
@@ -57,7 +56,7 @@ class KVCache:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole
         scratch tree, earlier nodes included). Returns (first slot written, positions [n], mask [n, T])
         for the n = n_new + len(tree_tokens) queries, T = all slots in use afterwards."""
-        n_old_tree = len(self.tree_tokens)
+        n_old_tree = len(self.tree)
         if n_new and n_old_tree:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
         first = self.length + n_old_tree
@@ -65,15 +64,15 @@ class KVCache:
         self.length += n_new
         depths = []
         for t, p in zip(tree_tokens, tree_parents):
-            if not -1 <= p < len(self.tree_tokens):
+            if not -1 <= p < len(self.tree):
                 raise ValueError(f"kv cache: tree parent {p} out of range")
             d = 1 if p < 0 else self.tree_depths[p] + 1
-            self.tree_tokens.append(t)
-            self.tree_parents.append(p)
+            self.tree.tokens.append(t)
+            self.tree.parents.append(p)
             self.tree_depths.append(d)
             depths.append(d)
-        n_tree = len(self.tree_tokens)
-        self.tree_mask = ancestor_mask(self.tree_parents, self.tree_mask)
+        n_tree = len(self.tree)
+        self.tree_mask = ancestor_mask(self.tree.parents, self.tree_mask)
 
         n = n_new + len(tree_tokens)
         total = self.length + n_tree
@@ -99,14 +98,14 @@ class KVCache:
         self.drop_tree()
 
     def drop_tree(self) -> None:
-        self.tree_tokens, self.tree_parents, self.tree_depths = [], [], []
+        self.tree, self.tree_depths = TokenTree(), []
         self.tree_mask = torch.zeros(0, 0, dtype=torch.bool)
 
     def matching_path(self, tokens: list[int]) -> list[int]:
         """The longest chain of tree nodes from the root whose tokens are a prefix of `tokens`."""
         path, u = [], -1
         for t in tokens:
-            nxt = next((c for c, p in enumerate(self.tree_parents) if p == u and self.tree_tokens[c] == t), None)
+            nxt = self.tree.child_with_token(u, t)
             if nxt is None:
                 break
             path.append(nxt)
