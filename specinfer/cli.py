@@ -61,9 +61,12 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expansion", default=",".join(map(str, PAPER_EXPANSION)),
-                   help="tree expansion config k_1,...,k_m (sequence mode uses its depth)")
+    p.add_argument("--expansion", default=None,
+                   help=f"tree expansion config k_1,...,k_m (sequence mode uses its depth; default "
+                        f"{','.join(map(str, PAPER_EXPANSION))}, or the server's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--server", metavar="HOST:PORT", default=None,
+                   help="send the requests to a running manager (specinfer serve) instead of running in-process")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -71,8 +74,6 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", type=Path, action="append", default=None,
                    help="SSM checkpoint directory, repeatable (default: the shipped SSMs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--draft-replacement", action="store_true",
-                   help="stochastic drafts drawn i.i.d. (default: without replacement)")
 
 
 def load_engine(args) -> Engine:
@@ -80,30 +81,67 @@ def load_engine(args) -> Engine:
     llm = LlamaModel.from_pretrained(args.llm or models_dir() / "llm", dtype=dtype)
     ssm_dirs = [] if args.mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
     ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
-    return Engine(llm, ssms, Mode(args.mode), parse_expansion(args.expansion), args.draft_replacement)
+    expansion = PAPER_EXPANSION if args.expansion is None else parse_expansion(args.expansion)
+    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement)
 
 
 def cmd_generate(args) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(args.llm or models_dir() / "llm"))
-    engine = load_engine(args)
     prompts = load_prompts(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid) for pid, text in prompts]
-    try:
-        start = time.perf_counter()
-        gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
-        elapsed = time.perf_counter() - start
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for g in gens:
-        print_generation(g, tokenizer.decode(g.token_ids), args.json)
+    start = time.perf_counter()
+    if args.server:  # the composition root may use the services' client; the core never does
+        from specinfer_rpc.client import generate_remote
+
+        try:
+            gens, texts = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
+                                          remote_speculation(args.mode, args.expansion))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.llm or models_dir() / "llm"))
+        engine = load_engine(args)
+        requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid)
+                    for pid, text in prompts]
+        try:
+            gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        texts = [tokenizer.decode(g.token_ids) for g in gens]
+    elapsed = time.perf_counter() - start
+    for g, text in zip(gens, texts):
+        print_generation(g, text, args.json)
     if not args.json:
         total = sum(len(g.token_ids) for g in gens)
         print(f"[{args.mode}] {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
     return 0
+
+
+def remote_speculation(mode: str, expansion: str | None) -> str | None:
+    """--mode/--expansion as a per-request speculation override for the server: incremental is
+    off; sequence is a chain; tree and merged use the server's trees (it merges its speculators'),
+    with a fixed expansion if one is given."""
+    if mode == Mode.INCREMENTAL.value:
+        return "off"
+    if mode == Mode.SEQUENCE.value:
+        depth = len(PAPER_EXPANSION if expansion is None else parse_expansion(expansion))
+        return ",".join(["1"] * depth)
+    return expansion
+
+
+def cmd_serve(args) -> int:
+    from specinfer_rpc.launch import launch, serve_forever
+
+    ssms = args.ssm or default_ssms()
+    system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
+                    args.host, args.port, args.dtype, args.manager_arg)
+    for s in system.services:
+        print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}", file=sys.stderr)
+    print(f"specinfer serve: ready; the manager (Generation API) listens on {system.manager.address}", flush=True)
+    return serve_forever(system)
 
 
 def print_generation(g: Generation, text: str, as_json: bool) -> None:
@@ -118,10 +156,21 @@ def print_generation(g: Generation, text: str, as_json: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text in-process")
+    gen = sub.add_parser("generate", help="generate text, in-process or through a server")
     add_request_flags(gen)
     add_model_flags(gen)
+    gen.add_argument("--draft-replacement", action="store_true",
+                     help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
     gen.set_defaults(func=cmd_generate)
+    srv = sub.add_parser("serve", help="run verifier, speculators and manager as separate processes")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=50051, help="the manager's (public) port")
+    srv.add_argument("--speculators", type=int, default=None,
+                     help="speculator processes (default: one per SSM); speculator i hosts SSM i mod #SSMs")
+    srv.add_argument("--manager-arg", action="append", default=[],
+                     help="extra flag for the manager, repeatable (e.g. --manager-arg=--tree-budget=32)")
+    add_model_flags(srv)
+    srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -60,15 +60,18 @@ class Generation:
         return (len(self.token_ids) - 1) / self.steps if self.steps else 0.0
 
 
-def validate(req: Request, vocab_size: int, context: int) -> None:
+def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: int | None = None) -> None:
     """Raise ValueError naming the offending field."""
     if not req.prompt:
         raise ValueError("prompt: must not be empty")
-    bad = [t for t in req.prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    for name, ids in (("prompt", req.prompt), ("stop_token_ids", req.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if req.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
+    if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:
+        raise ValueError(f"max_new_tokens: {req.max_new_tokens} is over the server's cap {max_new_tokens_cap}")
     if len(req.prompt) + req.max_new_tokens > context:
         raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
                          f"({req.max_new_tokens}) exceeds the context length {context}")
@@ -114,7 +117,7 @@ class Engine:
                     gen.steps += 1
                     gen.accepted.append(len(v.path))
                 before = len(gen.token_ids)
-                _append(gen, req, v.tokens, eos)
+                gen.finish_reason = append_tokens(gen.token_ids, req, v.tokens, eos)
                 bar.update(len(gen.token_ids) - before)
                 if gen.finish_reason:
                     del live[vr.request_id]
@@ -144,15 +147,15 @@ class Engine:
         return {i: (trees[0] if len(trees) == 1 else merge(trees)) for i, trees in per_request.items()}
 
 
-def _append(gen: Generation, req: Request, tokens: list[int], eos: set[int]) -> None:
-    """Append tokens up to and including the first that finishes the request."""
+def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
+    """Append a step's tokens to the request's generated tokens `out`, up to and including the
+    first that finishes the request; return the finish reason ("eos", "stop", "length") or ""."""
     for t in tokens:
-        gen.token_ids.append(t)
+        out.append(t)
         if t in eos and not req.ignore_eos:
-            gen.finish_reason = "eos"
-        elif t in req.stop_token_ids:
-            gen.finish_reason = "stop"
-        elif len(gen.token_ids) >= req.max_new_tokens:
-            gen.finish_reason = "length"
-        if gen.finish_reason:
-            return
+            return "eos"
+        if t in req.stop_token_ids:
+            return "stop"
+        if len(out) >= req.max_new_tokens:
+            return "length"
+    return ""

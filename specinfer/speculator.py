@@ -33,6 +33,7 @@ class DraftRequest:
     expansion: list[int]  # <k_1, ..., k_m>; empty: no tree
     sampling: SamplingParams = field(default_factory=SamplingParams)
     replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
+    drafter: int = 0  # tells apart the drafters of one request (e.g. speculator services) so their draws are independent
 
 
 class Speculator:
@@ -60,7 +61,7 @@ class Speculator:
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
         trees = [TokenTree() for _ in batch]
         caches = [self._sync(r) for r in batch]
-        gens = [None if r.sampling.greedy else request_generator(r.sampling.seed, "draft", self.index, len(c.tokens))
+        gens = [None if r.sampling.greedy else request_generator(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 for r, c in zip(batch, caches)]
         active = [i for i, r in enumerate(batch) if r.expansion]
         # frontier[i]: tree nodes of request i added at the previous level, not yet run through the SSM

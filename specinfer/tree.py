@@ -133,6 +133,33 @@ def merge(trees: list[TokenTree]) -> TokenTree:
     return reorder(merged, dfs_order(parents))
 
 
+MAX_EXPANSION_DEPTH, MAX_EXPANSION_WIDTH = 16, 8
+
+
+def validate_expansion(expansion: list[int], field: str = "expansion") -> None:
+    """Raise ValueError naming `field` unless every k_i is in [1, 8] and the depth at most 16."""
+    if len(expansion) > MAX_EXPANSION_DEPTH or any(not 1 <= k <= MAX_EXPANSION_WIDTH for k in expansion):
+        raise ValueError(f"{field}: each k_i must be in [1, {MAX_EXPANSION_WIDTH}] and the depth at most "
+                         f"{MAX_EXPANSION_DEPTH}, got {list(expansion)}")
+
+
+def tree_size(expansion: list[int]) -> int:
+    """Nodes of the full tree of expansion config <k_1, ..., k_m>: sum over i of k_1 * ... * k_i."""
+    total, width = 0, 1
+    for k in expansion:
+        width *= k
+        total += width
+    return total
+
+
+def fit_expansion(expansion: list[int], max_nodes: int) -> list[int]:
+    """The deepest prefix of the expansion config whose full tree has at most max_nodes nodes."""
+    depth = len(expansion)
+    while depth and tree_size(expansion[:depth]) > max_nodes:
+        depth -= 1
+    return expansion[:depth]
+
+
 def parse_expansion(text: str) -> list[int]:
     """'1,1,3,1' -> [1, 1, 3, 1]; an empty string means no speculation."""
     text = text.strip()

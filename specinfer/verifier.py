@@ -38,6 +38,11 @@ class Verifier:
         self.caches.pop(request_id, None)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
+        vocab = self.model.cfg.vocab_size
+        for req in batch:
+            for name, ids in (("new_token_ids", req.new_tokens), ("tree", req.tree.tokens)):
+                if any(not 0 <= t < vocab for t in ids):
+                    raise ValueError(f"{name}: request {req.request_id} has a token id outside [0, {vocab})")
         items = []
         for req in batch:
             cache = self.caches.get(req.request_id)

@@ -1,0 +1,76 @@
+"""python -m manager_svc --verifier 127.0.0.1:50053 --speculators 127.0.0.1:50052,127.0.0.1:50054"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from specinfer.cli import models_dir
+from specinfer.generate import PAPER_EXPANSION
+from specinfer.tree import validate_expansion
+from specinfer_rpc.config import load_config, option
+from specinfer_rpc.server import run, serve
+from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
+
+from .clients import SpeculatorClient, VerifierClient
+from .scheduler import Scheduler
+from .servicer import GenerationServicer
+
+log = logging.getLogger("specinfer.manager")
+
+
+@dataclass
+class ManagerConfig:
+    """The manager service: the public Generation API, continuous batching, tree merge, admission."""
+
+    verifier: str = option("127.0.0.1:50053", "verifier address")
+    speculators: list[str] = option([], "speculator addresses, comma-separated (none: incremental decoding)")
+    tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
+    expansion: list[int] = option(PAPER_EXPANSION, "default expansion config k_1,...,k_m")
+    tree_budget: int = option(64, "tree nodes per iteration, shared by the batch (cuts each request's tree)")
+    max_batch: int = option(32, "requests decoded together")
+    max_queue: int = option(256, "requests waiting beyond the batch; past it RESOURCE_EXHAUSTED")
+    max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
+    default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset")
+    max_new_tokens_cap: int = option(1024, "largest max_new_tokens accepted")
+    verify_timeout: float = option(60.0, "seconds a Verify call may take before its requests fail UNAVAILABLE")
+    speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
+    startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(50051, "port to listen on (0: any free port)")
+    max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
+    grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
+
+
+async def main(cfg: ManagerConfig) -> None:
+    validate_expansion(cfg.expansion)
+    verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes)
+    log.info("waiting for the verifier at %s", cfg.verifier)
+    vinfo = await verifier.info(wait=cfg.startup_timeout)
+    speculators = [SpeculatorClient(a, i, cfg.speculate_timeout, cfg.max_message_bytes)
+                   for i, a in enumerate(cfg.speculators)]
+    info = generation_pb2.ModelInfo(
+        model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
+        eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
+        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget)
+    scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
+                          cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens)
+    servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
+    loop = asyncio.create_task(scheduler.run())
+    service = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    try:
+        await serve("manager", f"{cfg.host}:{cfg.port}",
+                    [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, service)],
+                    cfg.max_message_bytes, cfg.grace)
+    finally:
+        loop.cancel()
+        log.info("scheduler stats: %s", scheduler.stats.summary())
+        await asyncio.gather(verifier.close(), *(c.close() for c in speculators))
+
+
+if __name__ == "__main__":
+    run(main(load_config(ManagerConfig, prog="python -m manager_svc")))

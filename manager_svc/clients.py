@@ -1,0 +1,166 @@
+"""The manager's clients of the verifier and the speculators: protobuf and gRPC errors stay here;
+the scheduler sees core dataclasses and two exceptions.
+
+A speculator is optional: any failure (error, end of stream, slow answer, malformed tree) marks its
+stream broken, this iteration goes on without its trees, and a new stream is tried a moment later.
+A verifier failure is the request's failure (`VerifierUnavailable`), except when the verifier lost
+a request's state (`VerifierResync`): then the scheduler resends whole records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
+from specinfer_rpc.convert import sampling_to_pb, tree_from_pb, tree_to_pb
+from specinfer_rpc.server import channel_options
+from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger("specinfer.manager")
+
+
+class VerifierUnavailable(Exception):
+    pass
+
+
+class VerifierResync(Exception):
+    pass
+
+
+@dataclass
+class Draft:
+    """What a speculator needs to draft for one request."""
+
+    request_id: str
+    record: list[int]  # prompt + committed tokens; the last one is the tree's root
+    expansion: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class Check:
+    """What the verifier needs for one request's step."""
+
+    request_id: str
+    new_tokens: list[int]
+    record_length: int
+    tree: TokenTree
+    sampling: SamplingParams
+
+
+class VerifierClient:
+    def __init__(self, address: str, timeout: float, max_message_bytes: int):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+
+    async def info(self, wait: float) -> verifier_pb2.VerifierInfo:
+        """The verifier's model info, waiting up to `wait` seconds for it to come up."""
+        return await self.stub.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=wait, wait_for_ready=True)
+
+    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int]:
+        """Accepted tokens per request, and the verifier's step time in ns."""
+        request = verifier_pb2.VerifyRequest(
+            release=release,
+            items=[verifier_pb2.VerifyItem(request_id=c.request_id, new_token_ids=c.new_tokens,
+                                           record_length=c.record_length, tree=tree_to_pb(c.tree),
+                                           sampling=sampling_to_pb(c.sampling)) for c in batch])
+        try:
+            response = await self.stub.Verify(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise VerifierResync(e.details()) from e
+            raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
+        return [list(r.token_ids) for r in response.results], response.step_ns
+
+    async def release(self, request_ids: list[str]) -> None:
+        try:
+            await self.stub.Release(verifier_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class SpeculatorClient:
+    """One long-lived Speculate stream, with what this stream's speculator has been told."""
+
+    RETRY_AFTER = 1.0  # seconds before a broken stream is reopened
+
+    def __init__(self, address: str, drafter: int, timeout: float, max_message_bytes: int):
+        self.address = address
+        self.drafter = drafter  # distinct per speculator: independent random draws
+        self.timeout = timeout
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.stub = speculator_pb2_grpc.SpeculatorStub(self.channel)
+        self.call = None
+        self.iteration = 0
+        self.told: dict[str, int] = {}  # request id -> tokens of its record sent on this stream
+        self.to_release: set[str] = set()
+        self.retry_at = 0.0
+        self.draft_ns = 0  # the speculator's own time in the last exchange
+
+    @property
+    def connected(self) -> bool:
+        return self.call is not None
+
+    def release(self, request_id: str) -> None:
+        """Free the request on the speculator with the next message (a draft may be in flight)."""
+        self.told.pop(request_id, None)
+        if self.call is not None:
+            self.to_release.add(request_id)
+
+    async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
+        """Trees by request id; empty when the speculator cannot answer now."""
+        if self.call is None:
+            if time.monotonic() < self.retry_at:
+                return {}
+            self.call = self.stub.Speculate()
+        self.iteration += 1
+        request = speculator_pb2.SpeculateRequest(iteration=self.iteration, release=sorted(self.to_release))
+        for d in drafts:
+            request.updates.append(speculator_pb2.DraftUpdate(
+                request_id=d.request_id, new_token_ids=d.record[self.told.get(d.request_id, 0):],
+                expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter))
+        try:
+            await asyncio.wait_for(self.call.write(request), self.timeout)
+            response = await asyncio.wait_for(self.call.read(), self.timeout)
+            if response is grpc.aio.EOF or response.iteration != self.iteration:
+                raise ConnectionError("stream ended or out of step")
+            trees = {t.request_id: tree_from_pb(t.tree) for t in response.trees}
+        except (grpc.RpcError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            self._broken(e)
+            return {}
+        self.to_release.difference_update(request.release)
+        for d in drafts:
+            if d.request_id not in self.to_release:  # not released while this exchange ran
+                self.told[d.request_id] = len(d.record)
+        self.draft_ns = response.draft_ns
+        return trees
+
+    def _broken(self, error: Exception) -> None:
+        detail = f"{error.code().name}: {error.details()}" if isinstance(error, grpc.aio.AioRpcError) else repr(error)
+        log.warning("speculator %s: %s; going on without it", self.address, detail)
+        self.call.cancel()
+        self.call = None
+        self.told.clear()  # the speculator frees a stream's state when the stream ends
+        self.to_release.clear()
+        self.retry_at = time.monotonic() + self.RETRY_AFTER
+
+    async def flush(self) -> None:
+        """Send pending releases now (when no iteration is coming to carry them)."""
+        if self.to_release and self.call is not None:
+            await self.draft([])
+
+    async def close(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        await self.channel.close()

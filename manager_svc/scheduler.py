@@ -1,0 +1,237 @@
+"""Iteration-level continuous batching (DESIGN section 5).
+
+The scheduler owns every request's token record (prompt + committed tokens), the single source of
+truth. Each iteration:
+
+  1. admit waiting requests up to the batch size and the prefill token budget;
+  2. ask every speculator, concurrently, for the batch's draft trees and merge them per request;
+  3. one batched Verify: a new request's prompt rides in the same batch as the others' trees;
+  4. append each request's accepted tokens, stream them, retire finished requests and release
+     their state on every service (piggybacked on the next messages, or sent at once when idle).
+
+Tree budget: the server's expansion config is cut, per request, to at most
+tree_budget // batch_size nodes, so speculation shrinks as the batch grows and ends at plain
+incremental decoding when the verifier's rows are better spent on more requests. A request that
+fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
+
+Nothing here computes: the event loop only moves token IDs. It knows nothing of protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from specinfer.generate import Request, append_tokens
+from specinfer.tree import TokenTree, fit_expansion, merge
+from specinfer_rpc.server import Abort
+
+from .clients import Check, Draft, SpeculatorClient, VerifierClient, VerifierResync, VerifierUnavailable
+
+log = logging.getLogger("specinfer.manager")
+
+
+@dataclass
+class Chunk:
+    """Tokens accepted in one step; the last chunk of a request has its finish reason."""
+
+    tokens: list[int]
+    finish_reason: str = ""
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    expansion: list[int] | None  # None: the server's, within the tree budget; [] none; else fixed
+    generated: list[int] = field(default_factory=list)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk or Abort, for the stream
+    steps: int = 0  # verifier steps, the prefill included
+    accepted: int = 0  # draft tokens accepted
+    verifier_has: int = 0  # tokens of the record the verifier holds
+    resyncs: int = 0
+    done: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def record(self) -> list[int]:
+        return self.request.prompt + self.generated
+
+
+@dataclass
+class Stats:
+    iterations: int = 0
+    busy_s: float = 0.0  # wall time of iterations
+    verify_s: float = 0.0  # of which the verifier's step
+    draft_s: float = 0.0  # of which the slowest speculator's tree building
+    batch_sum: int = 0
+
+    def summary(self) -> dict:
+        n = max(self.iterations, 1)
+        return {"iterations": self.iterations, "mean_batch": self.batch_sum / n,
+                "ms_per_iteration": 1e3 * self.busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
+                "draft_ms": 1e3 * self.draft_s / n,
+                "overhead_ms": 1e3 * (self.busy_s - self.verify_s - self.draft_s) / n}
+
+
+class Scheduler:
+    def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorClient], eos: set[int],
+                 expansion: list[int], tree_budget: int, max_batch: int, max_queue: int,
+                 max_prefill_tokens: int):
+        self.verifier = verifier
+        self.speculators = speculators
+        self.eos = eos
+        self.expansion = expansion
+        self.tree_budget = tree_budget
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[str, Sequence] = {}
+        self.verifier_release: set[str] = set()
+        self.wake = asyncio.Event()
+        self.stats = Stats()
+
+    # -- called by the servicer -------------------------------------------------------------
+    def submit(self, request: Request, expansion: list[int] | None) -> Sequence:
+        request.id = request.id or uuid.uuid4().hex
+        if request.id in self.running or any(s.id == request.id for s in self.waiting):
+            raise Abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.id!r} is already running")
+        if len(self.waiting) >= self.max_queue:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"server busy: {len(self.waiting)} requests waiting (max_queue {self.max_queue})")
+        seq = Sequence(request, expansion)
+        self.waiting.append(seq)
+        self.wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away (cancel, deadline): free the request's state everywhere."""
+        if seq.done:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.done = True
+        else:
+            self._retire(seq)
+        self.wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            if not self.running and not self.waiting:
+                await self._flush_releases()
+                self.wake.clear()
+                if not self.running and not self.waiting:
+                    await self.wake.wait()
+                continue
+            try:
+                await self.iteration()
+            except Exception as e:  # a bug must fail the batch, not hang every stream
+                log.exception("iteration failed")
+                for seq in list(self.running.values()):
+                    self._fail(seq, Abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+
+    async def iteration(self) -> None:
+        start = time.perf_counter()
+        self._admit()
+        batch = list(self.running.values())
+        trees = await self._draft(batch)
+        checks = [Check(s.id, s.record[s.verifier_has:], len(s.record), trees.get(s.id, TokenTree()),
+                        s.request.sampling) for s in batch]
+        release = sorted(self.verifier_release)
+        self.verifier_release.clear()
+        try:
+            results, step_ns = await self.verifier.verify(checks, release)
+        except VerifierResync as e:
+            log.warning("verifier lost request state (%s); resending whole records", e)
+            for s in batch:
+                s.resyncs += 1
+                if s.resyncs > 2:
+                    self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, f"verifier keeps losing state: {e}"))
+                else:
+                    s.verifier_has = 0
+                    self.verifier_release.add(s.id)
+            return
+        except VerifierUnavailable as e:
+            self.verifier_release.update(release)
+            for s in batch:
+                self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
+            return
+        for s, tokens in zip(batch, results):
+            if s.done:  # cancelled while the step ran; already retired
+                continue
+            s.verifier_has = len(s.record) + len(tokens)
+            s.steps += 1
+            s.accepted += len(tokens) - 1
+            before = len(s.generated)
+            reason = append_tokens(s.generated, s.request, tokens, self.eos)
+            s.events.put_nowait(Chunk(s.generated[before:], reason))
+            if reason:
+                self._retire(s)
+        stats = self.stats
+        stats.iterations += 1
+        stats.batch_sum += len(batch)
+        stats.busy_s += time.perf_counter() - start
+        stats.verify_s += step_ns / 1e9
+        stats.draft_s += max((c.draft_ns for c in self.speculators if c.connected), default=0) / 1e9
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_batch:
+            n = len(self.waiting[0].request.prompt)
+            if n > budget and budget < self.max_prefill_tokens:
+                break  # this prompt waits for the next iteration's budget
+            seq = self.waiting.popleft()
+            self.running[seq.id] = seq
+            budget -= n
+
+    def _plan(self, seq: Sequence, per_request: int) -> list[int]:
+        expansion = fit_expansion(self.expansion, per_request) if seq.expansion is None else seq.expansion
+        # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
+        return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
+
+    async def _draft(self, batch: list[Sequence]) -> dict[str, TokenTree]:
+        per_request = self.tree_budget // max(len(batch), 1)
+        drafts = [Draft(s.id, s.record, plan, s.request.sampling)
+                  for s in batch if (plan := self._plan(s, per_request))]
+        if not drafts or not self.speculators:
+            for c in self.speculators:
+                c.draft_ns = 0
+            return {}
+        answers = await asyncio.gather(*(c.draft(drafts) for c in self.speculators))
+        merged = {}
+        for d in drafts:
+            trees = [a[d.request_id] for a in answers if len(a.get(d.request_id, ())) > 0]
+            if trees:
+                merged[d.request_id] = trees[0] if len(trees) == 1 else merge(trees)
+        return merged
+
+    def _retire(self, seq: Sequence) -> None:
+        seq.done = True
+        if self.running.pop(seq.id, None) is not None:
+            self.verifier_release.add(seq.id)  # it may be in a verify call right now
+        for c in self.speculators:
+            c.release(seq.id)
+
+    def _fail(self, seq: Sequence, error: Abort) -> None:
+        seq.events.put_nowait(error)
+        self._retire(seq)
+
+    async def _flush_releases(self) -> None:
+        if self.verifier_release:
+            ids = sorted(self.verifier_release)
+            self.verifier_release.clear()
+            try:
+                await self.verifier.release(ids)
+            except VerifierUnavailable:
+                pass  # a verifier that is down holds nothing
+        await asyncio.gather(*(c.flush() for c in self.speculators))

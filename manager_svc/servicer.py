@@ -1,0 +1,88 @@
+"""Thin gRPC adapter of the public Generation API over the scheduler: validate and convert the
+request, submit it, stream its chunks; leaving the stream (cancel, deadline) cancels it."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+from specinfer.generate import Request, validate
+from specinfer.tree import validate_expansion
+from specinfer_rpc.convert import sampling_from_pb
+from specinfer_rpc.server import Abort, rpc_errors
+from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
+
+from .scheduler import Chunk, Scheduler, Sequence
+
+FINISH = {"eos": generation_pb2.FINISH_REASON_EOS, "stop": generation_pb2.FINISH_REASON_STOP,
+          "length": generation_pb2.FINISH_REASON_LENGTH}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, info: generation_pb2.ModelInfo):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def request_from_pb(self, pb: generation_pb2.GenerateRequest) -> tuple[Request, list[int] | None]:
+        """The core request and its expansion (None: the server's); ValueError names a bad field."""
+        stopping = pb.stopping
+        request = Request(list(pb.prompt_token_ids), stopping.max_new_tokens or self.info.default_max_new_tokens,
+                          sampling_from_pb(pb.sampling), tuple(stopping.stop_token_ids), stopping.ignore_eos,
+                          pb.request_id)
+        validate(request, self.info.vocab_size, self.info.context_length, self.info.max_new_tokens_cap)
+        mode = pb.speculation.mode
+        if mode == generation_pb2.SPECULATION_MODE_OFF:
+            return request, []
+        if mode == generation_pb2.SPECULATION_MODE_FIXED:
+            if not pb.speculation.expansion:
+                raise ValueError("speculation.expansion: must not be empty with SPECULATION_MODE_FIXED")
+            validate_expansion(list(pb.speculation.expansion), "speculation.expansion")
+            return request, list(pb.speculation.expansion)
+        if mode != generation_pb2.SPECULATION_MODE_UNSPECIFIED:
+            raise ValueError(f"speculation.mode: unknown value {mode}")
+        if pb.speculation.expansion:
+            raise ValueError("speculation.expansion: only allowed with SPECULATION_MODE_FIXED")
+        return request, None
+
+    @rpc_errors
+    async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        seq = self.scheduler.submit(*self.request_from_pb(request))
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, Abort):
+                    raise event
+                yield self.chunk_to_pb(seq, event)
+                if event.finish_reason:
+                    return
+        finally:
+            self.scheduler.cancel(seq)
+
+    @staticmethod
+    def chunk_to_pb(seq: Sequence, chunk: Chunk) -> generation_pb2.GenerateResponse:
+        response = generation_pb2.GenerateResponse(token_ids=chunk.tokens)
+        if chunk.finish_reason:
+            response.finish_reason = FINISH[chunk.finish_reason]
+            response.usage.CopyFrom(generation_pb2.Usage(
+                prompt_tokens=len(seq.request.prompt), completion_tokens=len(seq.generated),
+                verifier_steps=seq.steps, mean_tokens_per_step=len(seq.generated) / seq.steps,
+                accepted_draft_tokens=seq.accepted))
+        return response
+
+    @rpc_errors
+    async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
+        info = generation_pb2.ModelInfo()
+        info.CopyFrom(self.info)
+        info.speculators = sum(c.connected for c in self.scheduler.speculators)
+        return info
+
+    @rpc_errors
+    async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
+        return generation_pb2.TokenizeResponse(token_ids=self.tokenizer.encode(request.text).ids)
+
+    @rpc_errors
+    async def Detokenize(self, request, context) -> generation_pb2.DetokenizeResponse:
+        ids = list(request.token_ids)
+        if any(not 0 <= t < self.info.vocab_size for t in ids):
+            raise ValueError(f"token_ids: a token id is outside [0, {self.info.vocab_size})")
+        return generation_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids))

@@ -1,0 +1,88 @@
+"""A Python client of the public Generation API, for the CLI, the tests and the load client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specinfer.generate import Generation, Request
+from specinfer.tree import parse_expansion
+
+from .convert import sampling_to_pb
+from .server import channel_options
+from .v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_NAMES = {v: k for k, v in {"eos": generation_pb2.FINISH_REASON_EOS, "stop": generation_pb2.FINISH_REASON_STOP,
+                                  "length": generation_pb2.FINISH_REASON_LENGTH}.items()}
+
+
+def connect(address: str, max_message_bytes: int = 64 << 20) -> generation_pb2_grpc.GenerationStub:
+    return generation_pb2_grpc.GenerationStub(
+        grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)))
+
+
+def speculation_pb(spec: str | None) -> generation_pb2.Speculation:
+    """None: the server's default; "off": none; "1,1,3": that expansion, fixed."""
+    if spec is None:
+        return generation_pb2.Speculation()
+    if spec == "off":
+        return generation_pb2.Speculation(mode=generation_pb2.SPECULATION_MODE_OFF)
+    return generation_pb2.Speculation(mode=generation_pb2.SPECULATION_MODE_FIXED, expansion=parse_expansion(spec))
+
+
+def request_pb(req: Request, speculation: str | None = None) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=req.id, prompt_token_ids=req.prompt, sampling=sampling_to_pb(req.sampling),
+        stopping=generation_pb2.StoppingCriteria(max_new_tokens=req.max_new_tokens,
+                                                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
+        speculation=speculation_pb(speculation))
+
+
+@dataclass
+class Streamed:
+    """One Generate stream as the client saw it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: generation_pb2.Usage | None = None
+    chunk_times: list[float] = field(default_factory=list)  # seconds since the call, per chunk
+    chunk_sizes: list[int] = field(default_factory=list)
+
+
+async def generate(stub, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Streamed:
+    out = Streamed()
+    start = time.perf_counter()
+    async for chunk in stub.Generate(request, timeout=timeout):
+        out.chunk_times.append(time.perf_counter() - start)
+        out.chunk_sizes.append(len(chunk.token_ids))
+        out.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            out.finish_reason = FINISH_NAMES[chunk.finish_reason]
+            out.usage = chunk.usage
+    return out
+
+
+def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
+                    speculation: str | None) -> tuple[list[Generation], list[str]]:
+    """`specinfer generate --server`: tokenize on the server, send every prompt concurrently,
+    detokenize on the server. Raises RuntimeError with the server's status on failure."""
+
+    async def run():
+        stub = connect(address)
+        try:
+            prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t)) for _, t in prompts))
+            requests = [request_pb(Request(list(p.token_ids), max_new_tokens, sampling), speculation)
+                        for p in prompt_ids]
+            streams = await asyncio.gather(*(generate(stub, r) for r in requests))
+            texts = await asyncio.gather(*(stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=s.token_ids))
+                                           for s in streams))
+        except grpc.aio.AioRpcError as e:
+            raise RuntimeError(f"{address}: {e.code().name}: {e.details()}") from e
+        gens = [Generation(pid, s.token_ids, s.finish_reason, s.usage.verifier_steps - 1, [])
+                for (pid, _), s in zip(prompts, streams)]
+        return gens, [t.text for t in texts]
+
+    return asyncio.run(run())

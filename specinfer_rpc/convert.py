@@ -1,0 +1,36 @@
+"""Conversions between the core's dataclasses and protobuf: the one place they live."""
+
+from __future__ import annotations
+
+from specinfer.sampling import SamplingParams
+from specinfer.tree import DraftGroup, TokenTree
+
+from .v1 import common_pb2
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed)
+
+
+def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
+    """Raises ValueError ("tree: ...") when the parents are not a tree in DFS order."""
+    groups = [DraftGroup(g.parent, list(g.q_token_ids), list(g.q_probs), list(g.children), g.replacement)
+              for g in pb.draft_groups]
+    tree = TokenTree(list(pb.token_ids), list(pb.parents), groups)
+    for g in groups:
+        if not -1 <= g.parent < len(tree) or any(not 0 <= c < len(tree) for c in g.children):
+            raise ValueError("tree: a draft group names a node outside the tree")
+        if len(g.q_ids) != len(g.q_probs):
+            raise ValueError("tree: a draft group's q_token_ids and q_probs differ in length")
+    return tree
+
+
+def tree_to_pb(tree: TokenTree) -> common_pb2.TokenTree:
+    return common_pb2.TokenTree(
+        token_ids=tree.tokens, parents=tree.parents,
+        draft_groups=[common_pb2.DraftGroup(parent=g.parent, q_token_ids=g.q_ids, q_probs=g.q_probs,
+                                            children=g.children, replacement=g.replacement) for g in tree.groups])

@@ -1,0 +1,138 @@
+"""`specinfer serve`: the verifier, N speculators and the manager as separate processes.
+
+Internal services listen on free ports of the host (each prints "<name> listening on <address>"
+once serving); the manager is started last, pointed at them, on the public port. The launcher
+checks every service's gRPC health, prints the manager's address, and on SIGTERM or SIGINT stops
+them all (SIGTERM, then SIGKILL after the grace period).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class Service:
+    name: str
+    module: str
+    args: list[str]
+    process: subprocess.Popen | None = None
+    address: str = ""
+
+
+@dataclass
+class System:
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def manager(self) -> Service:
+        return self.by_name("manager")
+
+    def by_name(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def start(self, name: str, module: str, args: list[str], timeout: float) -> Service:
+        """Start `python -m module args`, wait until it is listening and healthy."""
+        service = Service(name, module, args)
+        self.services.append(service)
+        self._run(service, timeout)
+        return service
+
+    def restart(self, service: Service, timeout: float = 120.0) -> None:
+        """Start a service that exited again, on the same address."""
+        args = list(service.args)
+        args[args.index("--port") + 1] = service.address.rsplit(":", 1)[1]
+        service.args = args
+        self._run(service, timeout)
+
+    def _run(self, service: Service, timeout: float) -> None:
+        proc = service.process = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
+                                                  stdout=subprocess.PIPE, text=True,
+                                                  cwd=Path(__file__).resolve().parent.parent)
+        address = ""
+        for line in proc.stdout:  # the service prints nothing else on stdout; EOF if it dies
+            if " listening on " in line:
+                address = line.split(" listening on ")[1].strip()
+                break
+        if not address:
+            self.stop()
+            raise RuntimeError(f"{service.name} did not start (exit code {proc.wait()})")
+        service.address = address
+        wait_healthy(address, timeout)
+
+    def stop(self, grace: float = 30.0) -> None:
+        for s in reversed(self.services):
+            if s.process.poll() is None:
+                s.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for s in self.services:
+            try:
+                s.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.process.kill()
+                s.process.wait()
+
+
+def wait_healthy(address: str, timeout: float) -> None:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2, wait_for_ready=True).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{address} not healthy after {timeout}s")
+            time.sleep(0.2)
+
+
+def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
+           dtype: str = "float32", manager_args: list[str] = (), timeout: float = 120.0) -> System:
+    """Start the whole system; speculator i hosts ssms[i % len(ssms)]."""
+    system = System()
+    try:
+        common = ["--host", host, "--port", "0", "--dtype", dtype]
+        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common], timeout)
+        specs = [system.start(f"speculator-{i}", "speculator_svc",
+                              ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common], timeout)
+                 for i in range(speculators if ssms else 0)]
+        system.start("manager", "manager_svc",
+                     ["--host", host, "--port", str(port), "--verifier", verifier.address, "--tokenizer", str(llm),
+                      "--speculators", ",".join(s.address for s in specs), *manager_args], timeout)
+    except BaseException:
+        system.stop()
+        raise
+    return system
+
+
+def serve_forever(system: System) -> int:
+    """Until SIGTERM/SIGINT: restart a verifier or speculator that exits (the manager keeps every
+    request's record, so nothing accepted is lost); if the manager exits, stop everything."""
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        while not stop:
+            for s in system.services:
+                code = s.process.poll()
+                if code is None:
+                    continue
+                print(f"specinfer serve: {s.name} exited with code {code}", file=sys.stderr, flush=True)
+                if s.name == "manager":
+                    return 1
+                system.restart(s)
+            time.sleep(0.2)
+    finally:
+        system.stop()
+    return 0

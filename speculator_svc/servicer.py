@@ -1,0 +1,80 @@
+"""Thin gRPC adapter over the core `Speculator`s: per iteration, one batched tree build per SSM,
+the SSMs' trees merged per request, streamed back.
+
+Per-request SSM state belongs to the stream it came on (keys are "<stream>/<request id>"), so two
+managers never collide and a stream that ends, for any reason, frees everything it created.
+Model compute runs on one worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from specinfer.speculator import DraftRequest, Speculator
+from specinfer.tree import TokenTree, merge, validate_expansion
+from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
+from specinfer_rpc.server import rpc_errors
+from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
+
+class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
+    def __init__(self, speculators: list[Speculator], model_names: list[str]):
+        self.speculators = speculators
+        self.model_names = model_names
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="speculator")
+        self.streams = itertools.count()
+        self.keys: set[str] = set()  # every request with state, over all streams (worker thread only)
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    @rpc_errors
+    async def Speculate(self, request_iterator, context):
+        prefix = f"{next(self.streams)}/"
+        try:
+            async for request in request_iterator:
+                start = time.perf_counter_ns()
+                batch = [self._draft_request(prefix, u) for u in request.updates]
+                releases = [prefix + r for r in request.release]
+                trees = await self._on_worker(self._draft, releases, batch)
+                yield speculator_pb2.SpeculateResponse(
+                    iteration=request.iteration, draft_ns=time.perf_counter_ns() - start,
+                    trees=[speculator_pb2.DraftTree(request_id=u.request_id, tree=tree_to_pb(t))
+                           for u, t in zip(request.updates, trees)])
+        finally:
+            await self._on_worker(self._release_stream, prefix)
+
+    def _draft_request(self, prefix: str, u: speculator_pb2.DraftUpdate) -> DraftRequest:
+        validate_expansion(list(u.expansion))
+        sampling = sampling_from_pb(u.sampling)
+        sampling.validate()
+        return DraftRequest(prefix + u.request_id, list(u.new_token_ids), list(u.expansion), sampling,
+                            u.replacement, u.drafter)
+
+    def _draft(self, releases: list[str], batch: list[DraftRequest]) -> list[TokenTree]:
+        for key in releases:
+            self._release(key)
+        vocab = self.speculators[0].model.cfg.vocab_size
+        for req in batch:
+            if any(not 0 <= t < vocab for t in req.new_tokens):
+                raise ValueError(f"new_token_ids: request {req.request_id} has a token id outside [0, {vocab})")
+        self.keys.update(r.request_id for r in batch)
+        per_ssm = [s.draft(batch) for s in self.speculators]
+        return [trees[0] if len(trees) == 1 else merge(list(trees)) for trees in zip(*per_ssm)]
+
+    def _release(self, key: str) -> None:
+        self.keys.discard(key)
+        for s in self.speculators:
+            s.release(key)
+
+    def _release_stream(self, prefix: str) -> None:
+        for key in [k for k in self.keys if k.startswith(prefix)]:
+            self._release(key)
+
+    @rpc_errors
+    async def GetInfo(self, request, context) -> speculator_pb2.SpeculatorInfo:
+        return speculator_pb2.SpeculatorInfo(model_names=self.model_names,
+                                             vocab_size=self.speculators[0].model.cfg.vocab_size,
+                                             active_requests=len(self.keys))

@@ -1,0 +1,70 @@
+"""Thin gRPC adapter over the core `Verifier`: protobuf in, one batched LLM step, token IDs out.
+
+Model compute runs on one worker thread, never on the event loop, so health checks and releases
+are answered while a step runs; the caches are only touched from that thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from specinfer.verifier import Verifier, VerifyRequest
+from specinfer_rpc.convert import sampling_from_pb, tree_from_pb
+from specinfer_rpc.server import Abort, rpc_errors
+from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, verifier: Verifier, model_name: str):
+        self.verifier = verifier
+        self.model_name = model_name
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    @rpc_errors
+    async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
+        batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
+                               sampling_from_pb(item.sampling)) for item in request.items]
+        for req in batch:
+            req.sampling.validate()
+        ids = [req.request_id for req in batch]
+        if len(set(ids)) != len(ids):
+            raise ValueError("items: request ids must be unique within a batch")
+        lengths = [item.record_length for item in request.items]
+        start = time.perf_counter_ns()
+        verdicts = await self._on_worker(self._step, list(request.release), batch, lengths)
+        return verifier_pb2.VerifyResponse(
+            results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens)
+                     for r, v in zip(batch, verdicts)],
+            step_ns=time.perf_counter_ns() - start)
+
+    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
+        for rid in release:
+            self.verifier.release(rid)
+        for req, length in zip(batch, lengths):
+            cache = self.verifier.caches.get(req.request_id)
+            have = len(cache.tokens) if cache is not None else 0
+            if have + len(req.new_tokens) != length:
+                raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"request {req.request_id}: the verifier holds {have} tokens of its record, "
+                            f"+{len(req.new_tokens)} new != record_length {length}; resend the whole record")
+        return self.verifier.step(batch)
+
+    @rpc_errors
+    async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
+        await self._on_worker(lambda: [self.verifier.release(r) for r in request.request_ids])
+        return verifier_pb2.ReleaseResponse()
+
+    @rpc_errors
+    async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
+        cfg = self.verifier.model.cfg
+        return verifier_pb2.VerifierInfo(model_name=self.model_name, vocab_size=cfg.vocab_size,
+                                         context_length=cfg.max_position_embeddings,
+                                         eos_token_ids=cfg.eos_token_ids,
+                                         active_requests=len(self.verifier.caches))
