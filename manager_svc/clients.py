@@ -55,6 +55,8 @@ class Check:
 
 
 class VerifierClient:
+    CONNECT_GRACE = 2.0  # seconds a call waits for a (re)connecting verifier before failing
+
     def __init__(self, address: str, timeout: float, max_message_bytes: int):
         self.address = address
         self.timeout = timeout
@@ -72,6 +74,7 @@ class VerifierClient:
             items=[verifier_pb2.VerifyItem(request_id=c.request_id, new_token_ids=c.new_tokens,
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
                                            sampling=sampling_to_pb(c.sampling)) for c in batch])
+        await self._connected()
         try:
             response = await self.stub.Verify(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
@@ -79,6 +82,19 @@ class VerifierClient:
                 raise VerifierResync(e.details()) from e
             raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
         return [list(r.token_ids) for r in response.results], response.step_ns
+
+    async def _connected(self) -> None:
+        """Give a verifier that is (re)starting a moment to accept the connection; one that is
+        down stays down and the call after this fails UNAVAILABLE at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.CONNECT_GRACE
+        state = self.channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY and (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), left)
+            except asyncio.TimeoutError:
+                return
+            state = self.channel.get_state(try_to_connect=True)
 
     async def release(self, request_ids: list[str]) -> None:
         try:

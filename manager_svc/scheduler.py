@@ -145,6 +145,9 @@ class Scheduler:
         self._admit()
         batch = list(self.running.values())
         trees = await self._draft(batch)
+        batch = [s for s in batch if not s.done]  # cancelled while drafting: released below
+        if not batch:
+            return
         checks = [Check(s.id, s.record[s.verifier_has:], len(s.record), trees.get(s.id, TokenTree()),
                         s.request.sampling) for s in batch]
         release = sorted(self.verifier_release)

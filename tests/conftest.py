@@ -50,3 +50,22 @@ def path_to(tree, u: int) -> list[int]:
         path.append(u)
         u = tree.parents[u]
     return path[::-1]
+
+
+@pytest.fixture(scope="session")
+def heldout_ids(heldout_prompts) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json"))
+    return [tok.encode(p["prompt"]).ids for p in heldout_prompts]
+
+
+@pytest.fixture(scope="module")
+def system():
+    """The whole system on the shipped models as separate processes: verifier, two speculators,
+    manager (on a free port)."""
+    from specinfer_rpc.launch import launch
+
+    system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0)
+    yield system
+    system.stop()

@@ -1,0 +1,46 @@
+"""Helpers for the service tests: the real system in separate processes, its clients, and the
+reference outputs of the LLM alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel
+from specinfer_rpc.client import connect, generate, request_pb
+from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+from .conftest import MODELS
+
+
+def reference_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The LLM's own incremental greedy decoding (in-process, fp32)."""
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    gens = Engine(llm, mode=Mode.INCREMENTAL).generate([Request(p, max_new_tokens) for p in prompts])
+    return [g.token_ids for g in gens]
+
+
+def active_requests(system) -> dict[str, int]:
+    """Requests holding state on each verifier and speculator process."""
+    out = {}
+    for s in system.services:
+        if s.name == "manager":
+            continue
+        with grpc.insecure_channel(s.address) as channel:
+            if s.name == "verifier":
+                info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+            else:
+                info = speculator_pb2_grpc.SpeculatorStub(channel).GetInfo(
+                    speculator_pb2.GetSpeculatorInfoRequest(), timeout=10)
+        out[s.name] = info.active_requests
+    return out
+
+
+def run_all(address: str, requests: list[Request], speculation: str | None = None, timeout: float = 300):
+    """Send every request concurrently; the streams as the client saw them."""
+    async def go():
+        stub = connect(address)
+        return await asyncio.gather(*(generate(stub, request_pb(r, speculation), timeout) for r in requests))
+    return asyncio.run(go())

@@ -1,0 +1,188 @@
+"""The services as users see them: real server processes on the shipped models, gRPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from specinfer.generate import Request
+from specinfer.sampling import SamplingParams
+from specinfer_rpc.client import connect, generate, request_pb
+from specinfer_rpc.launch import System
+from specinfer_rpc.load import run_load
+from specinfer_rpc.v1 import common_pb2, generation_pb2
+
+from .conftest import ROOT
+from .services import active_requests, reference_greedy, run_all
+
+
+def test_greedy_outputs_through_the_services_match_incremental_decoding(system, heldout_ids):
+    prompts = heldout_ids[:16]
+    streams = run_all(system.manager.address, [Request(p, 48) for p in prompts])
+    want = reference_greedy(prompts, 48)
+    for s, w in zip(streams, want):
+        assert s.token_ids == w
+        assert s.finish_reason in ("eos", "length")
+        assert s.usage.completion_tokens == len(w) and s.usage.prompt_tokens > 0
+        assert math.isclose(s.usage.mean_tokens_per_step, len(w) / s.usage.verifier_steps)
+    # speculation happened: fewer verifier steps than tokens over the batch
+    assert sum(s.usage.verifier_steps for s in streams) < sum(len(w) for w in want)
+
+
+def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(system, heldout_ids):
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    for speculation in ("2,2,1,1", "off"):
+        req = Request(heldout_ids[3], 40, sampling, ignore_eos=True)
+        alone = run_all(system.manager.address, [req], speculation)[0].token_ids
+        crowd = [Request(p, 40, SamplingParams(temperature=1.0, seed=i), ignore_eos=True)
+                 for i, p in enumerate(heldout_ids[4:12])]
+        together = run_all(system.manager.address, crowd[:4] + [req] + crowd[4:], speculation)[4].token_ids
+        assert len(alone) == 40 and together == alone, speculation
+    other_seed = run_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
+                                                          ignore_eos=True)], "2,2,1,1")[0].token_ids
+    assert other_seed != alone
+
+
+BAD_REQUESTS = {
+    "prompt": dict(prompt_token_ids=[]),
+    "prompt ": dict(prompt_token_ids=[5, 4096]),
+    "max_new_tokens": dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=-1)),
+    "max_new_tokens ": dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=5000)),
+    "max_new_tokens  ": dict(prompt_token_ids=[7] * 1500, stopping=generation_pb2.StoppingCriteria(max_new_tokens=1000)),
+    "stop_token_ids": dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=4, stop_token_ids=[-3])),
+    "temperature": dict(sampling=common_pb2.SamplingParams(temperature=-0.5)),
+    "temperature ": dict(sampling=common_pb2.SamplingParams(temperature=float("nan"))),
+    "top_p": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0)),
+    "top_p ": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)),
+    "top_k": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_k=-1)),
+    "speculation.expansion": dict(speculation=generation_pb2.Speculation(
+        mode=generation_pb2.SPECULATION_MODE_FIXED, expansion=[2, 0])),
+    "speculation.expansion ": dict(speculation=generation_pb2.Speculation(mode=generation_pb2.SPECULATION_MODE_FIXED)),
+}
+
+
+@pytest.mark.parametrize("field", list(BAD_REQUESTS))
+def test_each_invalid_field_is_refused_with_invalid_argument_naming_it(system, field):
+    fields = {"prompt_token_ids": [10, 11, 12], "stopping": generation_pb2.StoppingCriteria(max_new_tokens=4),
+              **BAD_REQUESTS[field]}
+
+    async def go():
+        stub = connect(system.manager.address)
+        return [c async for c in stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=30)]
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(go())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field.strip() + ":"), err.value.details()
+
+
+def test_oversized_messages_and_duplicate_ids_are_refused_and_the_server_keeps_serving(system, heldout_ids):
+    async def go():
+        stub = connect(system.manager.address)
+        huge = generation_pb2.GenerateRequest(prompt_token_ids=[1000] * 3_000_000)  # ~6 MB, over the 4 MB limit
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in stub.Generate(huge, timeout=30)]
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        long = request_pb(Request(heldout_ids[0], 200, ignore_eos=True, id="dup"))
+        first = stub.Generate(long, timeout=120)
+        await first.read()  # running now
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [c async for c in stub.Generate(long, timeout=30)]
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in err.value.details()
+        first.cancel()
+
+    asyncio.run(go())
+    s = run_all(system.manager.address, [Request(heldout_ids[0], 8)])[0]
+    assert s.token_ids == reference_greedy([heldout_ids[0]], 8)[0]
+
+
+def test_cancelled_streams_free_their_state_on_every_service(system, heldout_ids):
+    async def go():
+        stub = connect(system.manager.address)
+        calls = [stub.Generate(request_pb(Request(heldout_ids[i % 32], 400, ignore_eos=True)), timeout=300)
+                 for i in range(50)]
+        await asyncio.gather(*(c.read() for c in calls[:8]))  # the first ones are streaming
+        await asyncio.sleep(0.5)
+        for c in calls:
+            c.cancel()
+        await asyncio.sleep(0.1)
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 10
+    while (counts := active_requests(system)) != {name: 0 for name in counts} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counts == {"verifier": 0, "speculator-0": 0, "speculator-1": 0}
+
+
+def test_bounded_streaming_load_completes_without_errors(system, heldout_ids):
+    report = asyncio.run(run_load(system.manager.address, heldout_ids, concurrency=32, duration=20,
+                                  max_new_tokens=32))
+    summary = report.summary()
+    print("load:", json.dumps(summary))
+    assert report.errors == {} and report.requests >= 32
+    assert summary["tokens"] == 32 * report.requests and summary["tokens_per_s"] > 0
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"] and summary["itl_p50_ms"] <= summary["itl_p99_ms"]
+
+
+def test_model_info_tokenize_and_health_and_reflection(system):
+    async def go():
+        stub = connect(system.manager.address)
+        info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+        ids = (await stub.Tokenize(generation_pb2.TokenizeRequest(text="def f(x):\n    return x"))).token_ids
+        text = (await stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=ids))).text
+        return info, text
+    info, text = asyncio.run(go())
+    assert info.vocab_size == 4096 and info.context_length == 2048 and list(info.eos_token_ids) == [0]
+    assert info.speculators == 2 and list(info.expansion) == [1, 1, 3, 1, 1, 1, 1, 1]
+    assert text == "def f(x):\n    return x"
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    for s in system.services:
+        with grpc.insecure_channel(s.address) as channel:
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "grpc.health.v1.Health" in services and any(x.startswith("specinfer.v1.") for x in services)
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="Node.js/npm not installed")
+def test_a_node_client_gets_the_same_tokens_as_the_python_client(system, heldout_ids, tmp_path):
+    node = ROOT / "tests" / "node"
+    subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--prefix", str(node)], check=True, timeout=300,
+                   capture_output=True)
+    prompt = heldout_ids[5]
+    out = subprocess.run(["node", str(node / "generate.js"), system.manager.address, json.dumps(prompt), "24"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    node_result = json.loads(out.stdout)
+    python = run_all(system.manager.address, [Request(prompt, 24)])[0]
+    assert node_result["token_ids"] == python.token_ids == reference_greedy([prompt], 24)[0]
+    assert node_result["finish_reason"] == "FINISH_REASON_" + python.finish_reason.upper()
+
+
+def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, heldout_ids):
+    small = System()
+    small.start("manager", "manager_svc", ["--port", "0", "--verifier", system.by_name("verifier").address,
+                                           "--max-batch", "1", "--max-queue", "1"], timeout=120)
+    try:
+        async def go():
+            stub = connect(small.manager.address)
+            long = [stub.Generate(request_pb(Request(heldout_ids[i], 300, ignore_eos=True)), timeout=120)
+                    for i in range(2)]  # one running, one waiting
+            await long[0].read()
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(stub, request_pb(Request(heldout_ids[2], 4)), 30)
+            for c in long:
+                c.cancel()
+            return err.value, time.monotonic() - start
+        error, seconds = asyncio.run(go())
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue" in error.details()
+        assert seconds < 2
+    finally:
+        small.stop()
