@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,13 +11,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from specinfer.cli import models_dir
-from specinfer.generate import PAPER_EXPANSION
 from specinfer.tree import validate_expansion
-from specinfer_rpc.config import load_config, option
+from specinfer_rpc.config import ServerConfig, load_config, option
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
 
 from .clients import SpeculatorClient, VerifierClient
+from .controller import SpeculationController
 from .scheduler import Scheduler
 from .servicer import GenerationServicer
 
@@ -24,14 +25,16 @@ log = logging.getLogger("specinfer.manager")
 
 
 @dataclass
-class ManagerConfig:
+class ManagerConfig(ServerConfig):
     """The manager service: the public Generation API, continuous batching, tree merge, admission."""
 
     verifier: str = option("127.0.0.1:50053", "verifier address")
     speculators: list[str] = option([], "speculator addresses, comma-separated (none: incremental decoding)")
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
-    expansion: list[int] = option(PAPER_EXPANSION, "default expansion config k_1,...,k_m")
+    expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
     tree_budget: int = option(64, "tree nodes per iteration, shared by the batch (cuts each request's tree)")
+    adaptive: bool = option(True, "turn the server's trees off at batch sizes where throughput is measured "
+                                  "to be better without them")
     max_batch: int = option(32, "requests decoded together")
     max_queue: int = option(256, "requests waiting beyond the batch; past it RESOURCE_EXHAUSTED")
     max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
@@ -40,7 +43,6 @@ class ManagerConfig:
     verify_timeout: float = option(60.0, "seconds a Verify call may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
-    host: str = option("127.0.0.1", "address to listen on")
     port: int = option(50051, "port to listen on (0: any free port)")
     max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
@@ -58,17 +60,16 @@ async def main(cfg: ManagerConfig) -> None:
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget)
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
-                          cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens)
+                          cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
+                          SpeculationController() if cfg.adaptive and speculators else None)
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
     loop = asyncio.create_task(scheduler.run())
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     try:
-        await serve("manager", f"{cfg.host}:{cfg.port}",
-                    [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, service)],
-                    cfg.max_message_bytes, cfg.grace)
+        await serve("manager", cfg, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, service)])
     finally:
         loop.cancel()
-        log.info("scheduler stats: %s", scheduler.stats.summary())
+        log.info("scheduler stats %s", json.dumps(scheduler.stats.summary()))
         await asyncio.gather(verifier.close(), *(c.close() for c in speculators))
 
 

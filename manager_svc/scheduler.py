@@ -10,9 +10,10 @@ truth. Each iteration:
      their state on every service (piggybacked on the next messages, or sent at once when idle).
 
 Tree budget: the server's expansion config is cut, per request, to at most
-tree_budget // batch_size nodes, so speculation shrinks as the batch grows and ends at plain
-incremental decoding when the verifier's rows are better spent on more requests. A request that
-fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
+tree_budget // batch_size nodes, so speculation shrinks as the batch grows; and a controller
+(controller.py) turns the server's trees off at batch sizes where measured throughput is better
+without them, down to plain incremental decoding. A request that fixes its own expansion gets
+exactly that (its seeded samples then do not depend on the load).
 
 Nothing here computes: the event loop only moves token IDs. It knows nothing of protobuf.
 """
@@ -33,6 +34,7 @@ from specinfer.tree import TokenTree, fit_expansion, merge
 from specinfer_rpc.server import Abort
 
 from .clients import Check, Draft, SpeculatorClient, VerifierClient, VerifierResync, VerifierUnavailable
+from .controller import SpeculationController
 
 log = logging.getLogger("specinfer.manager")
 
@@ -85,7 +87,7 @@ class Stats:
 class Scheduler:
     def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorClient], eos: set[int],
                  expansion: list[int], tree_budget: int, max_batch: int, max_queue: int,
-                 max_prefill_tokens: int):
+                 max_prefill_tokens: int, controller: SpeculationController | None = None):
         self.verifier = verifier
         self.speculators = speculators
         self.eos = eos
@@ -94,6 +96,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
+        self.controller = controller  # None: always use the server's trees (within the budget)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.verifier_release: set[str] = set()
@@ -144,7 +147,9 @@ class Scheduler:
         start = time.perf_counter()
         self._admit()
         batch = list(self.running.values())
-        trees = await self._draft(batch)
+        steady = all(s.verifier_has for s in batch)
+        speculate = self.controller is None or self.controller.speculate(len(batch))
+        trees = await self._draft(batch, speculate)
         batch = [s for s in batch if not s.done]  # cancelled while drafting: released below
         if not batch:
             return
@@ -169,15 +174,18 @@ class Scheduler:
             for s in batch:
                 self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
+        if self.controller is not None and steady:
+            self.controller.record(len(batch), speculate, sum(map(len, results)), time.perf_counter() - start)
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran; already retired
                 continue
             s.verifier_has = len(s.record) + len(tokens)
             s.steps += 1
-            s.accepted += len(tokens) - 1
             before = len(s.generated)
             reason = append_tokens(s.generated, s.request, tokens, self.eos)
-            s.events.put_nowait(Chunk(s.generated[before:], reason))
+            emitted = s.generated[before:]
+            s.accepted += len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
+            s.events.put_nowait(Chunk(emitted, reason))
             if reason:
                 self._retire(s)
         stats = self.stats
@@ -198,12 +206,14 @@ class Scheduler:
             budget -= n
 
     def _plan(self, seq: Sequence, per_request: int) -> list[int]:
+        """The request's expansion config this step: its own if fixed, else the server's within
+        `per_request` nodes (0: none)."""
         expansion = fit_expansion(self.expansion, per_request) if seq.expansion is None else seq.expansion
         # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
         return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
 
-    async def _draft(self, batch: list[Sequence]) -> dict[str, TokenTree]:
-        per_request = self.tree_budget // max(len(batch), 1)
+    async def _draft(self, batch: list[Sequence], speculate: bool) -> dict[str, TokenTree]:
+        per_request = self.tree_budget // max(len(batch), 1) if speculate else 0
         drafts = [Draft(s.id, s.record, plan, s.request.sampling)
                   for s in batch if (plan := self._plan(s, per_request))]
         if not drafts or not self.speculators:

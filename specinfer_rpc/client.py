@@ -65,6 +65,15 @@ async def generate(stub, request: generation_pb2.GenerateRequest, timeout: float
     return out
 
 
+def generate_all(address: str, requests: list[Request], speculation: str | None = None,
+                 timeout: float | None = None) -> list[Streamed]:
+    """Send every request concurrently and wait for all the streams (blocking)."""
+    async def run():
+        stub = connect(address)
+        return await asyncio.gather(*(generate(stub, request_pb(r, speculation), timeout) for r in requests))
+    return asyncio.run(run())
+
+
 def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
                     speculation: str | None) -> tuple[list[Generation], list[str]]:
     """`specinfer generate --server`: tokenize on the server, send every prompt concurrently,
@@ -73,7 +82,9 @@ def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens
     async def run():
         stub = connect(address)
         try:
-            prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t)) for _, t in prompts))
+            # wait_for_ready: the server may still be starting (e.g. `specinfer serve &` just before)
+            prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,
+                                                              wait_for_ready=True) for _, t in prompts))
             requests = [request_pb(Request(list(p.token_ids), max_new_tokens, sampling), speculation)
                         for p in prompt_ids]
             streams = await asyncio.gather(*(generate(stub, r) for r in requests))

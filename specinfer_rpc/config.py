@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import typing
+from dataclasses import dataclass
 
 
 def env_name(field: str) -> str:
@@ -53,3 +54,21 @@ def option(default, help: str, **kw):
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help}, **kw)
     return dataclasses.field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ServerConfig:
+    """Settings every service has."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(0, "port to listen on (0: any free port)")
+    max_message_bytes: int = option(16 << 20, "largest gRPC message accepted or sent")
+    grace: float = option(10.0, "seconds in-flight calls get to finish on SIGTERM")
+
+
+@dataclass
+class ModelServerConfig(ServerConfig):
+    """Settings of a service that runs models."""
+
+    dtype: str = option("float32", "weights and activations: float32, float16, bfloat16, float64")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")

@@ -31,6 +31,7 @@ class Service:
 @dataclass
 class System:
     services: list[Service] = field(default_factory=list)
+    log_dir: Path | None = None  # each service's stderr to <log_dir>/<name>.log (default: inherited)
 
     @property
     def manager(self) -> Service:
@@ -54,9 +55,15 @@ class System:
         self._run(service, timeout)
 
     def _run(self, service: Service, timeout: float) -> None:
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{service.name}.log", "a")
         proc = service.process = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
-                                                  stdout=subprocess.PIPE, text=True,
+                                                  stdout=subprocess.PIPE, stderr=log, text=True,
                                                   cwd=Path(__file__).resolve().parent.parent)
+        if log is not None:
+            log.close()  # the child has its own copy
         address = ""
         for line in proc.stdout:  # the service prints nothing else on stdout; EOF if it dies
             if " listening on " in line:
@@ -98,9 +105,10 @@ def wait_healthy(address: str, timeout: float) -> None:
 
 
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
-           dtype: str = "float32", manager_args: list[str] = (), timeout: float = 120.0) -> System:
+           dtype: str = "float32", manager_args: list[str] = (), timeout: float = 120.0,
+           log_dir: Path | None = None) -> System:
     """Start the whole system; speculator i hosts ssms[i % len(ssms)]."""
-    system = System()
+    system = System(log_dir=log_dir)
     try:
         common = ["--host", host, "--port", "0", "--dtype", dtype]
         verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common], timeout)

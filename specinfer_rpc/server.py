@@ -17,6 +17,8 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .config import ServerConfig
+
 log = logging.getLogger("specinfer")
 
 
@@ -74,32 +76,30 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.keepalive_timeout_ms", 5_000)]
 
 
-async def serve(name: str, address: str, services: list[tuple[Callable, object, str]],
-                max_message_bytes: int, grace: float) -> None:
-    """Run `services` ((add_to_server, servicer, full service name) triples) on `address` until
-    SIGTERM or SIGINT, then stop gracefully."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, object, str]]) -> None:
+    """Run `services` ((add_to_server, servicer, full service name) triples) on cfg.host:cfg.port
+    until SIGTERM or SIGINT, then stop gracefully."""
+    server = grpc.aio.server(options=channel_options(cfg.max_message_bytes))
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [full for _, _, full in services]
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     await server.start()
     for service in names + [""]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    host = address.rsplit(":", 1)[0]
-    print(f"{name} listening on {host}:{port}", flush=True)
+    print(f"{name} listening on {cfg.host}:{port}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print(f"{name} stopping (grace {grace}s)", file=sys.stderr, flush=True)
+    print(f"{name} stopping (grace {cfg.grace}s)", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace)
+    await server.stop(cfg.grace)
 
 
 def run(main) -> None:

@@ -3,13 +3,10 @@ reference outputs of the LLM alone."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
-from specinfer_rpc.client import connect, generate, request_pb
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from .conftest import MODELS
@@ -36,11 +33,3 @@ def active_requests(system) -> dict[str, int]:
                     speculator_pb2.GetSpeculatorInfoRequest(), timeout=10)
         out[s.name] = info.active_requests
     return out
-
-
-def run_all(address: str, requests: list[Request], speculation: str | None = None, timeout: float = 300):
-    """Send every request concurrently; the streams as the client saw them."""
-    async def go():
-        stub = connect(address)
-        return await asyncio.gather(*(generate(stub, request_pb(r, speculation), timeout) for r in requests))
-    return asyncio.run(go())

@@ -1,8 +1,14 @@
 """`specinfer generate` as a user runs it: a real subprocess on the shipped models."""
 
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+
+import pytest
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,3 +49,31 @@ def test_sampling_flags_are_seeded_and_bad_values_are_refused():
     assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
     bad = run_cli("--prompt", "x", "--top-p", "1.5", "--temperature", "1")
     assert bad.returncode == 2 and "top_p" in bad.stderr
+
+
+def test_serve_answers_generate_server_like_in_process_and_stops_every_process_on_sigterm(tmp_path, heldout_prompts):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p["prompt"]}) + "\n"
+                                   for i, p in enumerate(heldout_prompts[:3])))
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer", "serve", "--port", str(port)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # started at once: generate --server waits for the manager to come up
+        remote = run_cli("--server", f"127.0.0.1:{port}", "--prompt-file", str(prompt_file), "--max-new-tokens", "24", "--json")
+        assert remote.returncode == 0, remote.stderr
+        assert "ready" in serve.stdout.readline()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=60)
+    local = run_cli("--prompt-file", str(prompt_file), "--mode", "incremental", "--max-new-tokens", "24", "--json")
+    strip = lambda out: [{k: r[k] for k in ("id", "token_ids", "text", "finish_reason")} for r in map(json.loads, out.splitlines())]
+    assert strip(remote.stdout) == strip(local.stdout)
+    assert serve.returncode == 0
+    pids = [int(m) for m in re.findall(r" pid (\d+) on ", err)]
+    assert len(pids) == 4
+    for pid in pids:  # every service process is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

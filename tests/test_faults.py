@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from specinfer.generate import Request
-from specinfer_rpc.client import connect, request_pb
+from specinfer_rpc.client import connect, generate_all, request_pb
 from specinfer_rpc.launch import launch
 from specinfer_rpc.v1 import generation_pb2
 
 from .conftest import MODELS
-from .services import reference_greedy, run_all
+from .services import reference_greedy
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_killing_a_speculator_mid_batch_loses_no_request(fresh_system, heldout_i
     assert speculators_connected(system.manager.address) == 1
     system.restart(system.by_name("speculator-0"))
     time.sleep(SPECULATOR_RETRY := 1.2)  # the manager reopens a broken stream after a second
-    again = run_all(system.manager.address, [Request(prompts[0], 16)])[0]
+    again = generate_all(system.manager.address, [Request(prompts[0], 16)])[0]
     assert again.token_ids == reference_greedy(prompts[:1], 16)[0]
     assert speculators_connected(system.manager.address) == 2, SPECULATOR_RETRY
 
@@ -83,10 +83,10 @@ def test_a_stopped_verifier_gives_unavailable_promptly_and_service_resumes_when_
 
     start = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        run_all(system.manager.address, [Request(heldout_ids[0], 8)], timeout=60)
+        generate_all(system.manager.address, [Request(heldout_ids[0], 8)], timeout=60)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
     assert all(s.process.poll() is None for s in system.services if s.name != "verifier")
 
     system.restart(verifier)
-    streams = run_all(system.manager.address, [Request(p, 24) for p in heldout_ids[:4]])
+    streams = generate_all(system.manager.address, [Request(p, 24) for p in heldout_ids[:4]])
     assert [s.token_ids for s in streams] == reference_greedy(heldout_ids[:4], 24)

@@ -14,38 +14,41 @@ import pytest
 
 from specinfer.generate import Request
 from specinfer.sampling import SamplingParams
-from specinfer_rpc.client import connect, generate, request_pb
+from specinfer_rpc.client import connect, generate, generate_all, request_pb
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
 from specinfer_rpc.v1 import common_pb2, generation_pb2
 
 from .conftest import ROOT
-from .services import active_requests, reference_greedy, run_all
+from .services import active_requests, reference_greedy
 
 
-def test_greedy_outputs_through_the_services_match_incremental_decoding(system, heldout_ids):
+@pytest.mark.parametrize("speculation", [None, "1,1,3,1,1,1,1,1"], ids=["server-default", "paper-tree-fixed"])
+def test_greedy_outputs_through_the_services_match_incremental_decoding(system, heldout_ids, speculation):
     prompts = heldout_ids[:16]
-    streams = run_all(system.manager.address, [Request(p, 48) for p in prompts])
+    streams = generate_all(system.manager.address, [Request(p, 48) for p in prompts], speculation)
     want = reference_greedy(prompts, 48)
     for s, w in zip(streams, want):
         assert s.token_ids == w
         assert s.finish_reason in ("eos", "length")
         assert s.usage.completion_tokens == len(w) and s.usage.prompt_tokens > 0
         assert math.isclose(s.usage.mean_tokens_per_step, len(w) / s.usage.verifier_steps)
-    # speculation happened: fewer verifier steps than tokens over the batch
-    assert sum(s.usage.verifier_steps for s in streams) < sum(len(w) for w in want)
+        # every step emits its accepted drafts and a bonus token, except a last step cut short
+        assert 0 <= s.usage.accepted_draft_tokens - (len(w) - s.usage.verifier_steps) <= 1
+    if speculation:  # trees were verified: fewer verifier steps than tokens
+        assert sum(s.usage.verifier_steps for s in streams) < 0.5 * sum(len(w) for w in want)
 
 
 def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(system, heldout_ids):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     for speculation in ("2,2,1,1", "off"):
         req = Request(heldout_ids[3], 40, sampling, ignore_eos=True)
-        alone = run_all(system.manager.address, [req], speculation)[0].token_ids
+        alone = generate_all(system.manager.address, [req], speculation)[0].token_ids
         crowd = [Request(p, 40, SamplingParams(temperature=1.0, seed=i), ignore_eos=True)
                  for i, p in enumerate(heldout_ids[4:12])]
-        together = run_all(system.manager.address, crowd[:4] + [req] + crowd[4:], speculation)[4].token_ids
+        together = generate_all(system.manager.address, crowd[:4] + [req] + crowd[4:], speculation)[4].token_ids
         assert len(alone) == 40 and together == alone, speculation
-    other_seed = run_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
+    other_seed = generate_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
                                                           ignore_eos=True)], "2,2,1,1")[0].token_ids
     assert other_seed != alone
 
@@ -100,11 +103,11 @@ def test_oversized_messages_and_duplicate_ids_are_refused_and_the_server_keeps_s
         first.cancel()
 
     asyncio.run(go())
-    s = run_all(system.manager.address, [Request(heldout_ids[0], 8)])[0]
+    s = generate_all(system.manager.address, [Request(heldout_ids[0], 8)])[0]
     assert s.token_ids == reference_greedy([heldout_ids[0]], 8)[0]
 
 
-def test_cancelled_streams_free_their_state_on_every_service(system, heldout_ids):
+def test_cancelled_and_expired_streams_free_their_state_on_every_service(system, heldout_ids):
     async def go():
         stub = connect(system.manager.address)
         calls = [stub.Generate(request_pb(Request(heldout_ids[i % 32], 400, ignore_eos=True)), timeout=300)
@@ -113,9 +116,17 @@ def test_cancelled_streams_free_their_state_on_every_service(system, heldout_ids
         await asyncio.sleep(0.5)
         for c in calls:
             c.cancel()
-        await asyncio.sleep(0.1)
+        expiring = [stub.Generate(request_pb(Request(heldout_ids[i], 400, ignore_eos=True)), timeout=1.5)
+                    for i in range(10)]
+        codes = []
+        for c in expiring:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await c.read() is not grpc.aio.EOF:
+                    pass
+            codes.append(err.value.code())
+        return codes
 
-    asyncio.run(go())
+    assert asyncio.run(go()) == [grpc.StatusCode.DEADLINE_EXCEEDED] * 10
     deadline = time.monotonic() + 10
     while (counts := active_requests(system)) != {name: 0 for name in counts} and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -141,7 +152,7 @@ def test_model_info_tokenize_and_health_and_reflection(system):
         return info, text
     info, text = asyncio.run(go())
     assert info.vocab_size == 4096 and info.context_length == 2048 and list(info.eos_token_ids) == [0]
-    assert info.speculators == 2 and list(info.expansion) == [1, 1, 3, 1, 1, 1, 1, 1]
+    assert info.speculators == 2 and list(info.expansion) == [2, 1, 1] and info.tree_budget == 64
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     for s in system.services:
@@ -160,7 +171,7 @@ def test_a_node_client_gets_the_same_tokens_as_the_python_client(system, heldout
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     node_result = json.loads(out.stdout)
-    python = run_all(system.manager.address, [Request(prompt, 24)])[0]
+    python = generate_all(system.manager.address, [Request(prompt, 24)])[0]
     assert node_result["token_ids"] == python.token_ids == reference_greedy([prompt], 24)[0]
     assert node_result["finish_reason"] == "FINISH_REASON_" + python.finish_reason.upper()
 
@@ -172,9 +183,11 @@ def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, he
     try:
         async def go():
             stub = connect(small.manager.address)
-            long = [stub.Generate(request_pb(Request(heldout_ids[i], 300, ignore_eos=True)), timeout=120)
-                    for i in range(2)]  # one running, one waiting
-            await long[0].read()
+            running = stub.Generate(request_pb(Request(heldout_ids[0], 300, ignore_eos=True)), timeout=120)
+            await running.read()
+            waiting = stub.Generate(request_pb(Request(heldout_ids[1], 300, ignore_eos=True)), timeout=120)
+            await asyncio.sleep(1.0)  # it has reached the queue
+            long = [running, waiting]
             start = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(stub, request_pb(Request(heldout_ids[2], 4)), 30)

@@ -19,9 +19,11 @@ from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, verifier: Verifier, model_name: str):
+    def __init__(self, verifier: Verifier, model_name: str, idle_timeout: float):
         self.verifier = verifier
         self.model_name = model_name
+        self.idle_timeout = idle_timeout  # a request untouched this long is freed (its manager is gone)
+        self.last_used: dict[str, float] = {}
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
 
     async def _on_worker(self, fn, *args):
@@ -45,8 +47,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             step_ns=time.perf_counter_ns() - start)
 
     def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
-        for rid in release:
-            self.verifier.release(rid)
+        now = time.monotonic()
+        stale = [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout]
+        self._release(release + stale)
+        self.last_used.update((req.request_id, now) for req in batch)
         for req, length in zip(batch, lengths):
             cache = self.verifier.caches.get(req.request_id)
             have = len(cache.tokens) if cache is not None else 0
@@ -58,8 +62,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc_errors
     async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
-        await self._on_worker(lambda: [self.verifier.release(r) for r in request.request_ids])
+        await self._on_worker(self._release, list(request.request_ids))
         return verifier_pb2.ReleaseResponse()
+
+    def _release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.verifier.release(rid)
+            self.last_used.pop(rid, None)
 
     @rpc_errors
     async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
