@@ -19,7 +19,7 @@ from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
 from specinfer_rpc.v1 import common_pb2, generation_pb2
 
-from .conftest import ROOT
+from .conftest import MODELS, ROOT
 from .services import active_requests, reference_greedy
 
 
@@ -199,3 +199,18 @@ def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, he
         assert seconds < 2
     finally:
         small.stop()
+
+
+def test_one_speculator_hosting_both_ssms_merges_their_trees_with_exact_greedy_outputs(system, heldout_ids):
+    extra = System()
+    try:
+        both = extra.start("speculator", "speculator_svc",
+                           ["--port", "0", "--threads", "1", "--ssm", f"{MODELS / 'ssm-0'},{MODELS / 'ssm-1'}"], 120)
+        manager = extra.start("manager", "manager_svc", ["--port", "0", "--verifier", system.by_name("verifier").address,
+                                                         "--speculators", both.address], 120)
+        prompts = heldout_ids[16:20]
+        streams = generate_all(manager.address, [Request(p, 32) for p in prompts], "2,2,1")
+        assert [s.token_ids for s in streams] == reference_greedy(prompts, 32)
+        assert sum(s.usage.accepted_draft_tokens for s in streams) > 0
+    finally:
+        extra.stop()
