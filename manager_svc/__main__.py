@@ -32,7 +32,7 @@ class ManagerConfig(ServerConfig):
     speculators: list[str] = option([], "speculator addresses, comma-separated (none: incremental decoding)")
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
     expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
-    tree_budget: int = option(64, "tree nodes per iteration, shared by the batch (cuts each request's tree)")
+    tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
     adaptive: bool = option(True, "turn the server's trees off at batch sizes where throughput is measured "
                                   "to be better without them")
     max_batch: int = option(32, "requests decoded together")

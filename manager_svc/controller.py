@@ -5,8 +5,9 @@ its cost: that depends on the hardware (on a GPU verifying 64 extra rows is almo
 it is not) and on how well the SSMs predict. So the manager measures. Per batch-size bucket
 (1, 2-3, 4-7, 8-15, ...) it keeps the output rate (tokens per second over whole iterations,
 drafting, RPCs and verification included) with speculation and without, as moving averages, and
-uses the better one; every `explore`-th iteration of a bucket it runs the other choice to keep its
-estimate current. Throughput then does not stay below plain incremental decoding.
+speculates only where that is faster by `margin` (measurements are noisy, and the promise is never
+to be slower than no speculation); every `explore`-th iteration of a bucket it runs the other
+choice to keep its estimate current.
 
 Only steady iterations (no prompt being prefilled) are recorded: a prefill would be charged to
 whichever choice happened to run it.
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 
 class SpeculationController:
-    def __init__(self, explore: int = 16, smoothing: float = 0.2):
+    def __init__(self, explore: int = 48, smoothing: float = 0.1, margin: float = 0.1):
         self.explore = explore
         self.smoothing = smoothing
+        self.margin = margin
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens/s
         self.iterations: dict[int, int] = {}
 
@@ -32,7 +34,7 @@ class SpeculationController:
         on, off = self.rate.get((b, True)), self.rate.get((b, False))
         if on is None or off is None:  # measure both first
             return on is None
-        better = on >= off
+        better = on > (1 + self.margin) * off
         return (not better) if n % self.explore == 0 else better
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:

@@ -132,6 +132,12 @@ def remote_speculation(mode: str, expansion: str | None) -> str | None:
     return expansion
 
 
+def cmd_bench(args) -> int:
+    from specinfer_bench.run import main as bench_main
+
+    return bench_main(args)
+
+
 def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
@@ -162,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--draft-replacement", action="store_true",
                      help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="benchmark against transformers and through the services (specinfer_bench)")
+    from specinfer_bench.flags import add_flags
+
+    add_flags(bench)
+    bench.set_defaults(func=cmd_bench)
     srv = sub.add_parser("serve", help="run verifier, speculators and manager as separate processes")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=50051, help="the manager's (public) port")

@@ -30,6 +30,7 @@ class LoadReport:
     steps: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)  # whole request
 
     def summary(self) -> dict:
         def pct(xs, q):
@@ -39,7 +40,8 @@ class LoadReport:
                 "tokens_per_s": round(self.tokens / self.seconds, 1),
                 "tokens_per_step": round(self.tokens / self.steps, 3) if self.steps else 0.0,
                 "ttft_p50_ms": round(pct(self.ttft, 50), 1), "ttft_p99_ms": round(pct(self.ttft, 99), 1),
-                "itl_p50_ms": round(pct(self.itl, 50), 2), "itl_p99_ms": round(pct(self.itl, 99), 2)}
+                "itl_p50_ms": round(pct(self.itl, 50), 2), "itl_p99_ms": round(pct(self.itl, 99), 2),
+                "latency_p50_ms": round(pct(self.latency, 50), 1), "latency_p99_ms": round(pct(self.latency, 99), 1)}
 
 
 async def run_load(address: str, prompts: list[list[int]], concurrency: int, duration: float,
@@ -67,6 +69,7 @@ async def run_load(address: str, prompts: list[list[int]], concurrency: int, dur
             report.tokens += len(s.token_ids)
             report.steps += s.usage.verifier_steps
             report.ttft.append(s.chunk_times[0])
+            report.latency.append(s.chunk_times[-1])
             for prev, now, size in zip(s.chunk_times, s.chunk_times[1:], s.chunk_sizes[1:]):
                 report.itl.extend([(now - prev) / size] * size)
 

@@ -1,0 +1,50 @@
+"""Our decoding modes in-process (the core Engine), one request at a time like the peers."""
+
+from __future__ import annotations
+
+import time
+
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+
+CONFIGS = [  # (label, mode, expansion)
+    ("ours incremental", Mode.INCREMENTAL, []),
+    ("ours sequence <1x4>", Mode.SEQUENCE, [1] * 4),
+    ("ours sequence <1x8>", Mode.SEQUENCE, [1] * 8),
+    ("ours tree <2,1,1>", Mode.TREE, [2, 1, 1]),
+    ("ours tree <1,1,3,1,1,1,1,1>", Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1]),
+    ("ours tree <2,2,2,1,1,1,1,1>", Mode.TREE, [2, 2, 2, 1, 1, 1, 1, 1]),
+    ("ours merged <2,1,1>", Mode.MERGED, [2, 1, 1]),
+    ("ours merged <2,2,2,1,1,1,1,1>", Mode.MERGED, [2, 2, 2, 1, 1, 1, 1, 1]),
+]
+QUICK = {"ours incremental", "ours sequence <1x4>", "ours tree <2,1,1>", "ours tree <1,1,3,1,1,1,1,1>",
+         "ours merged <2,1,1>"}
+
+
+def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int], prompts: list[list[int]],
+        max_new_tokens: int, temperature: float) -> tuple[list[list[int]], dict]:
+    """Outputs and figures: tokens, LLM forwards (prefill included), per-request seconds, and the
+    acceptance by depth (share of steps whose accepted path reached depth d)."""
+    engine = Engine(llm, ssms, mode, expansion)
+    outs, seconds, forwards = [], [], 0
+    reached = [0] * len(expansion)
+    steps = 0
+    for i, p in enumerate(prompts):
+        start = time.perf_counter()
+        g = engine.generate([Request(p, max_new_tokens, SamplingParams(temperature, seed=i), id=str(i))])[0]
+        seconds.append(time.perf_counter() - start)
+        outs.append(g.token_ids)
+        forwards += g.steps + 1
+        steps += g.steps
+        for a in g.accepted:
+            for d in range(a):
+                reached[d] += 1
+    return outs, {"tokens": sum(map(len, outs)), "forwards": forwards, "request_seconds": seconds,
+                  "acceptance_by_depth": [r / max(steps, 1) for r in reached]}
+
+
+def reference_greedy(llm_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The LLM's own incremental greedy decoding, batched."""
+    engine = Engine(LlamaModel.from_pretrained(llm_dir), mode=Mode.INCREMENTAL)
+    return [g.token_ids for g in engine.generate([Request(p, max_new_tokens) for p in prompts])]

@@ -1,0 +1,144 @@
+"""Tables and plots of the benchmark results."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return f"{cpu}, {torch.get_num_threads()} torch threads{gpu}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def summarize(label: str, temperature: float, figures: dict, extra: dict | None = None) -> dict:
+    """A row for one request-at-a-time configuration."""
+    secs = figures["request_seconds"]
+    total = sum(secs)
+    pct = statistics.quantiles(secs, n=100, method="inclusive") if len(secs) > 1 else [secs[0]] * 99
+    return {"config": label, "temperature": temperature, "tokens": figures["tokens"], "forwards": figures["forwards"],
+            "tokens_per_step": figures["tokens"] / figures["forwards"], "tokens_per_s": figures["tokens"] / total,
+            "ms_per_token": 1e3 * total / figures["tokens"], "latency_p50_ms": 1e3 * pct[49],
+            "latency_p99_ms": 1e3 * pct[98], "acceptance_by_depth": figures.get("acceptance_by_depth", []),
+            **(extra or {})}
+
+
+def single_markdown(rows: list[dict]) -> list[str]:
+    lines = ["| config | T | tokens per LLM forward | tok/s | vs transformers generate | ms/token | "
+             "request p50/p99 ms | acceptance by depth |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"
+        label = f"{r['config']}: k={r['assistant_tokens']}" if "assistant_tokens" in r else r["config"]
+        lines.append(f"| {label} | {r['temperature']:g} | {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {r['ms_per_token']:.2f} | {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} "
+                     f"| {acc} |")
+    return lines
+
+
+def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds: int) -> str:
+    off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == "off"}
+    lines = [f"# Through the services ({meta['machine']})", "", f"`{meta['command']}`", "",
+             "config = expansion@tree budget (the manager's defaults; @static: no adaptive controller); greedy; "
+             f"ignore_eos; {max_new_tokens} new tokens per request; medians of {rounds} interleaved runs (tok/s of "
+             "each run in the JSON); iteration split from the manager over all its runs", "",
+             "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "
+             "| iteration ms | verifier ms | speculator ms | manager overhead ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        vs = f"{r['tokens_per_s'] / off[r['concurrency']]:.2f}x" if r["concurrency"] in off else "-"
+        lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} "
+                     f"| {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} "
+                     f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {r['manager_ms_per_iteration']:.1f} "
+                     f"| {r['manager_verify_ms']:.1f} | {r['manager_draft_ms']:.1f} | {r['manager_overhead_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _throughput_panel(ax, rows: list[dict], configs: list[str], levels: list[int], baselines: dict[str, float]) -> None:
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=f"services {config}")
+    for k, (label, value) in enumerate(baselines.items()):
+        ax.axhline(value, linestyle="--", color=f"C{len(configs) + k}", linewidth=1, label=f"{label} (one at a time)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent streams")
+    ax.set_title("tokens/s vs concurrency")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_services(rows: list[dict], configs: list[str], levels: list[int], path: Path, machine_text: str) -> None:
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    _throughput_panel(ax1, rows, configs, levels, {})
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        ax2.plot([r["concurrency"] for r in mine], [r["tokens_per_step"] for r in mine], marker="o", label=config)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(levels, [str(c) for c in levels])
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_title("tokens per verifier step")
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"Through the services, speculation settings ({machine_text})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_bench(result: dict, path: Path) -> None:
+    """Four panels: tokens/s vs concurrency; tokens per step by mode; acceptance by depth;
+    speedup vs tree size."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(14, 10))
+    greedy = [r for r in result["single"] if r["temperature"] == 0]
+    sampled = [r for r in result["single"] if r["temperature"] > 0]
+    if result["services"]:
+        configs = list(dict.fromkeys(r["config"] for r in result["services"]))
+        levels = sorted({r["concurrency"] for r in result["services"]})
+        base = {r["config"]: r["tokens_per_s"] for r in greedy if r["config"].startswith("transformers")}
+        _throughput_panel(axes[0, 0], result["services"], configs, levels, base)
+    ax = axes[0, 1]
+    labels = [r["config"] for r in greedy]
+    ax.barh(range(len(greedy)), [r["tokens_per_step"] for r in greedy], height=0.4, label="greedy")
+    by_label = {r["config"]: r for r in sampled}
+    ax.barh([i + 0.4 for i, l in enumerate(labels) if l in by_label],
+            [by_label[l]["tokens_per_step"] for l in labels if l in by_label], height=0.4, label="T=0.8")
+    ax.set_yticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title("tokens per LLM forward, by mode")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="x")
+    ax = axes[1, 0]
+    for r in greedy:
+        if r["acceptance_by_depth"]:
+            ax.plot(range(1, len(r["acceptance_by_depth"]) + 1), r["acceptance_by_depth"], marker="o", label=r["config"])
+    ax.set_xlabel("tree depth d")
+    ax.set_ylabel("share of steps accepting >= d draft tokens")
+    ax.set_title("acceptance by depth (greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax = axes[1, 1]
+    trees = [r for r in greedy if "tree_nodes" in r]
+    ax.scatter([r["tree_nodes"] for r in trees], [r["speedup"] for r in trees])
+    for r in trees:
+        ax.annotate(r["config"].replace("ours ", ""), (r["tree_nodes"], r["speedup"]), fontsize=7)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("tree nodes verified per step")
+    ax.set_ylabel("tok/s vs transformers generate")
+    ax.set_title("speedup vs tree size (greedy, one request at a time)")
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"specinfer bench: {result['prompts']} held-out prompts x {result['max_new_tokens']} tokens "
+                 f"({result['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

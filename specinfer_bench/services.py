@@ -1,0 +1,118 @@
+"""Throughput through the real services: speculation settings side by side at several concurrencies.
+
+Starts the verifier and one speculator per SSM once, then one manager per (setting, concurrency),
+checks greedy outputs, and drives bounded streaming loads in interleaved rounds (this machine's
+speed drifts; medians are reported and every run's figure kept). Each manager logs its per-
+iteration split (verifier step, slowest speculator, the rest = its own overhead incl. RPC) on exit.
+
+    python -m specinfer_bench.services --out bench/results/services_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specinfer.cli import default_ssms, models_dir
+from specinfer.generate import Request
+from specinfer_rpc.client import generate_all
+from specinfer_rpc.launch import System
+from specinfer_rpc.load import run_load
+
+from .report import machine, plot_services, services_markdown
+
+
+def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
+    """'off', or EXPANSION@TREE_BUDGET[@static] (@static: without the adaptive controller)."""
+    flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
+    if config != "off":
+        expansion, budget, *static = config.split("@")
+        flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
+                  "--no-adaptive" if static else "--adaptive"]
+    return flags
+
+
+def manager_stats(log: Path) -> dict:
+    lines = [l for l in log.read_text().splitlines() if "scheduler stats " in l]
+    return json.loads(lines[-1].split("scheduler stats ", 1)[1])
+
+
+def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
+            levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int) -> list[dict]:
+    """One row per (config, concurrency). `reference`: greedy outputs (32 tokens) of prompts[:len(reference)]
+    that every setting must reproduce before it is timed."""
+    logs = Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
+    system = System(log_dir=logs)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    managers = {}
+    try:
+        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", str(llm)], 120)
+        specs = [system.start(f"speculator-{i}", "speculator_svc", ["--port", "0", "--ssm", str(d), "--threads", "1"], 120)
+                 for i, d in enumerate(ssms)]
+        for config in configs:
+            flags = manager_flags(config, verifier.address, [s.address for s in specs]) + ["--tokenizer", str(llm)]
+            for c in levels:
+                managers[config, c] = system.start(f"manager-{len(managers)}", "manager_svc", flags, 120)
+            outs = generate_all(managers[config, levels[0]].address, [Request(q, 32) for q in prompts[:len(reference)]])
+            if [s.token_ids for s in outs] != reference:
+                raise SystemExit(f"services {config}: greedy outputs differ from the reference; no figures reported")
+        bar = tqdm(total=rounds * len(managers), unit="run", desc="services")
+        for _ in range(rounds):  # interleaved, so that the machine's drift hits all settings alike
+            for (config, c), manager in managers.items():
+                report = asyncio.run(run_load(manager.address, prompts, c, duration=1e9, max_new_tokens=max_new_tokens,
+                                              max_requests=c * requests_per_stream))
+                if report.errors:
+                    raise SystemExit(f"services {config} at {c}: errors {report.errors}")
+                runs.setdefault((config, c), []).append(report.summary())
+                bar.update()
+        bar.close()
+    finally:
+        system.stop()  # managers log their per-iteration split on the way out
+    rows = []
+    for (config, c), reports in sorted(runs.items(), key=lambda kv: (kv[0][1], configs.index(kv[0][0]))):
+        median = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "concurrency"}
+        stats = manager_stats(logs / f"{managers[config, c].name}.log")
+        rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
+                     **{f"manager_{k}": v for k, v in stats.items()}})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--requests-per-stream", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="runs of every setting, interleaved; medians reported")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
+                   help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
+                        "@static: without the adaptive controller)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/services_cpu"))
+    args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(models_dir() / "llm" / "tokenizer.json"))
+    prompts = [tok.encode(json.loads(l)["prompt"]).ids for l in open(models_dir() / "heldout_prompts.jsonl")]
+    from .inprocess import reference_greedy
+
+    reference = reference_greedy(models_dir() / "llm", prompts[:8], 32)
+    configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
+    rows = measure(models_dir() / "llm", default_ssms(), prompts, reference, configs, levels,
+                   args.requests_per_stream, args.max_new_tokens, args.rounds)
+    meta = {"machine": machine(), "command": "python -m specinfer_bench.services " + " ".join(
+        f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    text = services_markdown(rows, meta, args.max_new_tokens, args.rounds)
+    args.out.with_suffix(".md").write_text(text)
+    plot_services(rows, configs, levels, args.out.with_suffix(".png"), meta["machine"])
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

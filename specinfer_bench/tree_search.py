@@ -1,0 +1,119 @@
+"""Tree-shape search in the spirit of Sequoia: pick the expansion config that maximizes expected
+tokens per LLM step per unit of step cost, from measured acceptance rates and measured costs.
+
+Acceptance model (greedy): p[r] is the probability that the LLM's next token is the SSM's r-th
+most likely token, measured along the LLM's own greedy continuations. Assuming it is the same at
+every depth and independent across depths (Sequoia's positional acceptance assumption), a node
+reached through ranks r_1..r_d is on the accepted path with probability p[r_1] * ... * p[r_d], so
+for <k_1, ..., k_m>, with S(k) = p[1] + ... + p[k]:
+
+    E[tokens per step] = 1 + sum_{d=1..m} prod_{i=1..d} S(k_i)
+
+Cost model (measured on this machine at batch 1): a step costs the verifier's forward over
+1 + n rows (n tree nodes) plus one SSM forward per tree level over that level's parents:
+
+    cost = v0 + v1 * (1 + n) + sum_{d=1..m} (s0 + s1 * width_{d-1})
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.model import LlamaModel, StepInput
+from specinfer.tree import tree_size
+
+
+def expected_tokens_per_step(expansion: list[int], p: list[float]) -> float:
+    total, reach = 1.0, 1.0
+    for k in expansion:
+        reach *= sum(p[:k])
+        total += reach
+    return total
+
+
+@torch.no_grad()
+def rank_acceptance(llm, ssm, sequences: list[list[int]], starts: list[int], max_rank: int = 8) -> list[float]:
+    """p[r-1] for r = 1..max_rank from teacher-forced forwards of two transformers models over
+    sequences (prompt + the LLM's greedy continuation), at positions from starts[i] on."""
+    hits, total = [0] * max_rank, 0
+    for seq, start in zip(sequences, starts):
+        ids = torch.tensor([seq])
+        target = llm(ids).logits[0, start - 1 : -1].argmax(-1)  # the LLM's next token at each position
+        ranks = ssm(ids).logits[0, start - 1 : -1].argsort(-1, descending=True)[:, :max_rank]
+        match = (ranks == target[:, None]).int()  # [positions, max_rank]
+        for r in range(max_rank):
+            hits[r] += int(match[:, r].sum())
+        total += len(target)
+    return [h / total for h in hits]
+
+
+@dataclass
+class CostModel:
+    v0: float  # ms per verifier step
+    v1: float  # ms per verified row
+    s0: float  # ms per SSM level
+    s1: float  # ms per parent row in a level
+
+    def step_ms(self, expansion: list[int]) -> float:
+        cost, width = self.v0 + self.v1 * (1 + tree_size(expansion)), 1
+        for k in expansion:
+            cost += self.s0 + self.s1 * width
+            width *= k
+        return cost
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line: (intercept, slope)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
+    return my - slope * mx, slope
+
+
+def _best_ms(fn, repeats: int) -> float:
+    """Median of repeated timings, in ms (the machine is noisy)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: int = 15) -> CostModel:
+    """Fit the cost model from timed forwards at batch 1 after `prompt`: the LLM over the bonus
+    token plus a tree of 0..64 nodes, the SSM over one tree level of 1..16 rows."""
+    def timed(model: LlamaModel, n_new: int, n_tree: int) -> float:
+        cache = model.new_cache(len(prompt) + 80)
+        model([StepInput(cache, prompt[:-1], [], [])])
+        new = prompt[-1:] if n_new else []
+
+        def forward():
+            model([StepInput(cache, new, [7] * n_tree, [-1] * n_tree)])
+            cache.length -= len(new)
+            cache.drop_tree()
+        return _best_ms(forward, repeats)
+
+    rows = [1 + n for n in (0, 4, 16, 32, 64)]
+    v0, v1 = _fit(rows, [timed(llm, 1, r - 1) for r in rows])
+    widths = [1, 4, 16]
+    s0, s1 = _fit(widths, [timed(ssm, 0, w) for w in widths])
+    return CostModel(v0, v1, s0, s1)
+
+
+def search(p: list[float], cost: CostModel, max_depth: int = 8, max_width: int = 4,
+           max_nodes: int = 64) -> list[dict]:
+    """Every non-increasing expansion config within the limits, best tokens per ms first."""
+    out = []
+    for depth in range(0, max_depth + 1):
+        for widths in itertools.combinations_with_replacement(range(max_width, 0, -1), depth):
+            expansion = list(widths)
+            if tree_size(expansion) > max_nodes:
+                continue
+            tps = expected_tokens_per_step(expansion, p)
+            ms = cost.step_ms(expansion)
+            out.append({"expansion": expansion, "tokens_per_step": tps, "step_ms": ms, "tokens_per_ms": tps / ms})
+    return sorted(out, key=lambda r: -r["tokens_per_ms"])

@@ -1,0 +1,72 @@
+"""`specinfer bench`: the tree-shape search's model and a quick end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, rank_acceptance, search
+
+from .conftest import ROOT
+
+
+def simulated_tokens_per_step(expansion: list[int], p: list[float], trials: int, rng: random.Random) -> float:
+    """Draw, level by level, which SSM rank the LLM's token has (none with the leftover mass);
+    descend while the tree holds that rank."""
+    total = 0
+    for _ in range(trials):
+        accepted = 0
+        for k in expansion:
+            rank = rng.choices(range(len(p) + 1), weights=p + [1 - sum(p)])[0]
+            if rank >= k:
+                break
+            accepted += 1
+        total += 1 + accepted
+    return total / trials
+
+
+@pytest.mark.parametrize("expansion", [[1], [1, 1, 1, 1], [2, 1, 1], [3, 2, 1, 1], [1, 1, 3, 1, 1, 1, 1, 1]])
+def test_expected_tokens_per_step_matches_simulation(expansion):
+    p = [0.55, 0.15, 0.08, 0.05]
+    rng = random.Random(0)
+    assert abs(expected_tokens_per_step(expansion, p) - simulated_tokens_per_step(expansion, p, 20000, rng)) < 0.03
+
+
+def test_search_ranks_by_tokens_per_cost_and_respects_the_limits():
+    p = [0.6, 0.2, 0.1, 0.05]
+    free_ssm = CostModel(v0=10.0, v1=0.0, s0=0.0, s1=0.0)  # trees cost nothing: the biggest allowed wins
+    best = search(p, free_ssm, max_depth=3, max_width=2, max_nodes=64)[0]
+    assert best["expansion"] == [2, 2, 2]
+    costly_ssm = CostModel(v0=10.0, v1=0.1, s0=30.0, s1=1.0)  # an SSM level costs 3 steps: none wins
+    ranked = search(p, costly_ssm)
+    assert ranked[0]["expansion"] == []
+    assert all(a["tokens_per_ms"] >= b["tokens_per_ms"] for a, b in zip(ranked, ranked[1:]))
+    assert all(list(r["expansion"]) == sorted(r["expansion"], reverse=True) for r in ranked)
+
+
+def test_rank_acceptance_of_a_model_against_itself_is_all_rank_one(tiny_pair):
+    hf, _, _ = tiny_pair
+    seqs = [torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    p = rank_acceptance(hf, hf, seqs, [5, 5, 5], max_rank=4)
+    assert p == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "specinfer", "bench", "--quick", "--no-services", "--prompts", "2",
+                           "--max-new-tokens", "12", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["config"]: r for r in result["single"]}
+    assert rows["transformers generate"]["speedup"] == 1.0 and rows["transformers generate"]["tokens_per_step"] <= 1.0
+    assert rows["transformers assisted (best fixed k)"]["assistant_tokens"] in (2, 4)
+    tree = rows["ours tree <1,1,3,1,1,1,1,1>"]
+    assert tree["tokens_per_step"] > 1.0 and len(tree["acceptance_by_depth"]) == 8
+    assert sum(result["tree_search"]["rank_acceptance"]) <= 1.0 and result["tree_search"]["best"]["tokens_per_step"] >= 1.0
+    assert out.with_suffix(".png").stat().st_size > 10_000 and "## Tree-shape search" in out.with_suffix(".md").read_text()
