@@ -4,7 +4,7 @@ from pathlib import Path
 
 
 def add_flags(p) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer prompts, tokens, configs and concurrencies")
+    p.add_argument("--quick", action="store_true", help="fewer prompts, tokens, configs and concurrencies (under a minute on 2 cores)")
     p.add_argument("--llm", type=Path, default=None, help="LLM checkpoint directory (default: shipped)")
     p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM directories (default: shipped)")
     p.add_argument("--prompts", type=int, default=None, help="held-out prompts to use (default 16, quick 4)")

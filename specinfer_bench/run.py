@@ -8,7 +8,7 @@ through the services at several concurrencies with speculation on and off; then 
 search. Every greedy output is checked identical to transformers' incremental generate before any
 figure is reported. Writes <out>.json, <out>.md and <out>.png.
 
-    specinfer bench --quick                      # a few minutes on a 2-core CPU
+    specinfer bench --quick                      # under a minute on a 2-core CPU
     specinfer bench --out bench/results/bench_cpu
     specinfer bench --search-tree                # only the tree-shape search
 """
