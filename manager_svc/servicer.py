@@ -6,6 +6,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 from specinfer.generate import Request, validate
+from specinfer.model import check_token_ids
 from specinfer.tree import validate_expansion
 from specinfer_rpc.convert import sampling_from_pb
 from specinfer_rpc.server import Abort, rpc_errors
@@ -83,6 +84,5 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @rpc_errors
     async def Detokenize(self, request, context) -> generation_pb2.DetokenizeResponse:
         ids = list(request.token_ids)
-        if any(not 0 <= t < self.info.vocab_size for t in ids):
-            raise ValueError(f"token_ids: a token id is outside [0, {self.info.vocab_size})")
+        check_token_ids("token_ids", ids, self.info.vocab_size)
         return generation_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids))

@@ -19,7 +19,7 @@ from enum import Enum
 
 from tqdm import tqdm
 
-from .model import LlamaModel
+from .model import LlamaModel, check_token_ids
 from .sampling import SamplingParams
 from .speculator import DraftRequest, Speculator
 from .tree import TokenTree, merge
@@ -64,10 +64,8 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
     """Raise ValueError naming the offending field."""
     if not req.prompt:
         raise ValueError("prompt: must not be empty")
-    for name, ids in (("prompt", req.prompt), ("stop_token_ids", req.stop_token_ids)):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_token_ids("prompt", req.prompt, vocab_size)
+    check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
     if req.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
     if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:

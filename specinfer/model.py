@@ -31,6 +31,13 @@ from .kv_cache import KVCache
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
 
+def check_token_ids(field: str, ids, vocab_size: int) -> None:
+    """Raise ValueError naming `field` if a token id is outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache
-from .model import LlamaModel, StepInput
+from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, request_generator, sparsify
 from .tree import DraftGroup, TokenTree, dfs_order, reorder
 
@@ -60,6 +60,8 @@ class Speculator:
 
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
         trees = [TokenTree() for _ in batch]
+        for r in batch:  # all checked before any state changes
+            check_token_ids(f"new_token_ids (request {r.request_id})", r.new_tokens, self.model.cfg.vocab_size)
         caches = [self._sync(r) for r in batch]
         gens = [None if r.sampling.greedy else request_generator(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 for r, c in zip(batch, caches)]

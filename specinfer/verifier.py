@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .kv_cache import KVCache
-from .model import LlamaModel, StepInput
+from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, request_generator
 from .tree import TokenTree
 from .verify import Verdict, verify_greedy, verify_stochastic
@@ -38,11 +38,9 @@ class Verifier:
         self.caches.pop(request_id, None)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
-        vocab = self.model.cfg.vocab_size
         for req in batch:
-            for name, ids in (("new_token_ids", req.new_tokens), ("tree", req.tree.tokens)):
-                if any(not 0 <= t < vocab for t in ids):
-                    raise ValueError(f"{name}: request {req.request_id} has a token id outside [0, {vocab})")
+            check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, self.model.cfg.vocab_size)
+            check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, self.model.cfg.vocab_size)
         items = []
         for req in batch:
             cache = self.caches.get(req.request_id)

@@ -54,10 +54,10 @@ def test_killing_a_speculator_mid_batch_loses_no_request(fresh_system, heldout_i
     assert asyncio.run(go()) == reference_greedy(prompts, 64)
     assert speculators_connected(system.manager.address) == 1
     system.restart(system.by_name("speculator-0"))
-    time.sleep(SPECULATOR_RETRY := 1.2)  # the manager reopens a broken stream after a second
+    time.sleep(1.2)  # the manager reopens a broken stream after a second
     again = generate_all(system.manager.address, [Request(prompts[0], 16)], "2,1,1")[0]  # drafts whatever the controller says
     assert again.token_ids == reference_greedy(prompts[:1], 16)[0]
-    assert speculators_connected(system.manager.address) == 2, SPECULATOR_RETRY
+    assert speculators_connected(system.manager.address) == 2
 
 
 def test_a_stopped_verifier_gives_unavailable_promptly_and_service_resumes_when_it_is_back(fresh_system, heldout_ids):
