@@ -90,6 +90,7 @@ class Engine:
             self.expansion = [1] * len(self.expansion)
         used = {Mode.INCREMENTAL: [], Mode.SEQUENCE: ssms[:1], Mode.TREE: ssms[:1], Mode.MERGED: list(ssms)}[mode]
         self.speculators = [Speculator(m, index=i) for i, m in enumerate(used)]
+        self.verifier = Verifier(llm)
         self.replacement = replacement
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
@@ -98,7 +99,7 @@ class Engine:
         ids = [r.id or str(i) for i, r in enumerate(requests)]
         if len(set(ids)) != len(ids):
             raise ValueError("id: request ids must be unique")
-        verifier = Verifier(self.llm)
+        verifier = self.verifier
         eos = set(self.llm.cfg.eos_token_ids)
         out = {i: Generation(i, []) for i in ids}
         told = {(s, i): 0 for s in range(len(self.speculators)) for i in ids}  # tokens sent so far

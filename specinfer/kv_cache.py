@@ -1,30 +1,79 @@
-"""One request's key/value cache in one model: committed slots, then scratch slots for a draft tree.
+"""Paged key/value caches: one preallocated pool of fixed-size blocks per model, and per request a
+block table into it.
 
-The cache also keeps the request's token record as this model knows it (`tokens`); the first
-`length` of them have their keys and values here, the rest are pending for the next forward.
+`KVPool` holds every layer's keys and values as [n_layers, n_blocks, block_size, n_kv_heads,
+head_dim] and a free list of blocks. Memory use is the pool's size, fixed at start, whatever the
+requests' lengths; a request holds ceil(slots / block_size) blocks and gives them back when it is
+released (or garbage-collected).
 
-Layout per layer: [n_kv_heads, capacity, head_dim]. Slots [0, length) hold the committed tokens.
-Slots [length, length + n_tree) hold the current draft tree's nodes in the order they were added
-(DFS order for a verifier tree, level order for a tree an SSM is growing). After verification
-`commit(path)` moves the accepted nodes' entries to consecutive committed slots (no recomputation)
-and drops the rest of the tree.
+`KVCache` is one request's view: its token record as this model knows it (`tokens`), the block
+table, and the draft tree in scratch. Slots [0, length) hold committed tokens; slots
+[length, length + n_tree) hold the current draft tree's nodes in the order they were added (DFS
+order for a verifier tree, level order for a tree an SSM is growing). After verification
+`commit(path)` moves the accepted nodes' entries to consecutive committed slots (no recomputation),
+drops the rest of the tree, and returns blocks that no longer hold anything.
 
-The cache also answers which earlier slots each new query may attend to: committed tokens
-causally, tree nodes to every committed slot plus their own ancestors and themselves.
+The cache also says which earlier slots each new query may attend to: committed tokens causally,
+tree nodes every committed slot plus their own ancestors and themselves.
 """
 
 from __future__ import annotations
+
+import math
+import weakref
 
 import torch
 
 from .tree import TokenTree, ancestor_mask
 
+BLOCK_SIZE = 16
+
+
+class CacheFull(RuntimeError):
+    """The pool has fewer free blocks than a step needs; nothing was changed."""
+
+
+class KVPool:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", tokens: int = 65536, block_size: int = BLOCK_SIZE):
+        if tokens < block_size:
+            raise ValueError(f"kv pool: {tokens} tokens is less than one block of {block_size}")
+        self.block_size = block_size
+        n_blocks = tokens // block_size
+        self.k = torch.empty(n_layers, n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
+
+    @property
+    def n_blocks(self) -> int:
+        return self.k.shape[1]
+
+    def blocks_for(self, slots: int) -> int:
+        return math.ceil(slots / self.block_size)
+
+    def check_room(self, blocks: int) -> None:
+        if blocks > len(self.free):
+            raise CacheFull(f"kv cache full: a step needs {blocks} more blocks of {self.block_size} tokens, "
+                            f"{len(self.free)} of {self.n_blocks} are free")
+
+    def allocate(self, blocks: int) -> list[int]:
+        self.check_room(blocks)
+        taken = self.free[len(self.free) - blocks:]
+        del self.free[len(self.free) - blocks:]
+        return taken[::-1]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+    def new_cache(self) -> "KVCache":
+        return KVCache(self)
+
 
 class KVCache:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", capacity: int = 64):
-        self.k = torch.empty(n_layers, n_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.blocks: list[int] = []  # block table: slot s is in blocks[s // block_size]
+        self._free = weakref.finalize(self, pool.give_back, self.blocks)  # a dropped cache returns its blocks
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
@@ -32,20 +81,33 @@ class KVCache:
         self.tree_mask = torch.zeros(0, 0, dtype=torch.bool)  # [n_tree, n_tree] ancestor-or-self
 
     @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
+    def slots(self) -> int:
+        """Slots in use: committed tokens and the scratch tree."""
+        return self.length + len(self.tree)
+
+    def blocks_to_grow(self, slots: int) -> int:
+        """Blocks this cache must take from the pool to hold `slots` slots."""
+        return max(0, self.pool.blocks_for(slots) - len(self.blocks))
 
     def _reserve(self, slots: int) -> None:
-        if slots <= self.capacity:
-            return
-        new = max(slots, 2 * self.capacity)
-        shape = (self.k.shape[0], self.k.shape[1], new, self.k.shape[3])
-        k = self.k.new_empty(shape)
-        v = self.v.new_empty(shape)
-        used = self.length + len(self.tree)
-        k[:, :, :used] = self.k[:, :, :used]
-        v[:, :, :used] = self.v[:, :, :used]
-        self.k, self.v = k, v
+        self.blocks.extend(self.pool.allocate(self.blocks_to_grow(slots)))
+
+    def _trim(self) -> None:
+        keep = self.pool.blocks_for(self.slots)
+        self.pool.give_back(self.blocks[keep:])
+        del self.blocks[keep:]
+
+    def release(self) -> None:
+        """Return every block to the pool; the cache is empty afterwards."""
+        self.pool.give_back(self.blocks)
+        self.blocks.clear()
+        self.tokens, self.length = [], 0
+        self.drop_tree()
+
+    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each slot."""
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return table[slots // self.pool.block_size], slots % self.pool.block_size
 
     @property
     def pending(self) -> list[int]:
@@ -54,48 +116,43 @@ class KVCache:
 
     def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole
-        scratch tree, earlier nodes included). Returns (first slot written, positions [n], mask [n, T])
-        for the n = n_new + len(tree_tokens) queries, T = all slots in use afterwards."""
+        scratch tree, earlier nodes included). Returns the first slot written, the queries'
+        positions [n] (n = n_new + len(tree_tokens)), and the new nodes' ancestor-or-self rows
+        [len(tree_tokens), n_tree] over the whole scratch tree."""
         n_old_tree = len(self.tree)
         if n_new and n_old_tree:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
-        first = self.length + n_old_tree
+        for i, p in enumerate(tree_parents):  # checked before anything changes
+            if not -1 <= p < n_old_tree + i:
+                raise ValueError(f"kv cache: tree parent {p} of node {n_old_tree + i} out of range")
+        first = self.slots
         self._reserve(first + n_new + len(tree_tokens))
         self.length += n_new
         depths = []
         for t, p in zip(tree_tokens, tree_parents):
-            if not -1 <= p < len(self.tree):
-                raise ValueError(f"kv cache: tree parent {p} out of range")
             d = 1 if p < 0 else self.tree_depths[p] + 1
             self.tree.tokens.append(t)
             self.tree.parents.append(p)
             self.tree_depths.append(d)
             depths.append(d)
-        n_tree = len(self.tree)
         self.tree_mask = ancestor_mask(self.tree.parents, self.tree_mask)
-
-        n = n_new + len(tree_tokens)
-        total = self.length + n_tree
         positions = torch.cat([
             torch.arange(self.length - n_new, self.length),
             self.length - 1 + torch.tensor(depths, dtype=torch.long),
         ])
-        mask = torch.zeros(n, total, dtype=torch.bool)
-        if n_new:
-            mask[:n_new, : self.length] = torch.ones(n_new, self.length, dtype=torch.bool).tril(self.length - n_new)
-        mask[n_new:, : self.length] = True
-        mask[n_new:, self.length :] = self.tree_mask[n_old_tree:]
-        return first, positions, mask
+        return first, positions, self.tree_mask[n_old_tree:]
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""
         if path:
-            src = self.length + torch.tensor(path)
-            dst = slice(self.length, self.length + len(path))
-            self.k[:, :, dst] = self.k[:, :, src]
-            self.v[:, :, dst] = self.v[:, :, src]
+            src = self.locate(self.length + torch.tensor(path))
+            dst = self.locate(torch.arange(self.length, self.length + len(path)))
+            pool = self.pool
+            pool.k[:, dst[0], dst[1]] = pool.k[:, src[0], src[1]]  # gathered first, so overlaps are safe
+            pool.v[:, dst[0], dst[1]] = pool.v[:, src[0], src[1]]
             self.length += len(path)
         self.drop_tree()
+        self._trim()
 
     def drop_tree(self) -> None:
         self.tree, self.tree_depths = TokenTree(), []

@@ -7,9 +7,10 @@ Loads a Hugging Face checkpoint directory (config.json + *.safetensors) with no 
     tree node u attends to every committed token, its ancestors and itself;
     position(u) = committed length - 1 + depth(u)  (the root is the last committed token).
 
-A batch is flattened over requests (no padding): projections and MLPs run once over all tokens,
-attention runs per request against that request's cache. Only the rows asked for reach the LM
-head. The model knows nothing about trees beyond the mask and positions its caches hand it, and
+A batch is flattened over requests (no padding): projections and MLPs run once over all tokens;
+per layer, the new tokens' keys and values are written into the paged KV pool and one
+tree-attention call (the Triton kernel on CUDA, its PyTorch reference elsewhere) covers the whole
+batch. Only the rows asked for reach the LM head. The model knows nothing about trees beyond the mask and positions its caches hand it, and
 nothing about sampling.
 """
 
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from .attention import attention_mask, tree_attention
-from .kv_cache import KVCache
+from specinfer_kernels import RequestView, TreeBatch, tree_attention
+
+from .kv_cache import BLOCK_SIZE, KVCache, KVPool
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -175,20 +177,15 @@ class Block(nn.Module):
         self.gate_up = Dense(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Dense(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, plan) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, pool: KVPool, batch: TreeBatch) -> torch.Tensor:
         cfg = self.cfg
         n = x.shape[0]
         qkv = self.qkv(self.input_norm(x)).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         qk = rotate(qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q and k heads rotated at once
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, Hq, D], [N, Hkv, D]
         v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]  # [N, Hkv, D]
-        out = torch.empty_like(q)
-        for cache, rows, first, total, mask in plan:
-            a, b = rows
-            slots = slice(first, first + b - a)
-            cache.k[layer, :, slots] = k[a:b].transpose(0, 1)
-            cache.v[layer, :, slots] = v[a:b].transpose(0, 1)
-            out[a:b] = tree_attention(q[a:b], cache.k[layer, :, :total], cache.v[layer, :, :total], mask)
+        batch.write(pool.k[layer], pool.v[layer], k, v)
+        out = tree_attention(q, pool.k[layer], pool.v[layer], batch)
         x = x + self.o(out.view(n, -1))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -229,24 +226,27 @@ class LlamaModel(nn.Module):
         model.inv_freq = rope_inv_freq(cfg)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-    def new_cache(self, capacity: int = 64) -> KVCache:
+    def new_pool(self, tokens: int = 65536, block_size: int = BLOCK_SIZE) -> KVPool:
+        """A KV pool for this model holding `tokens` token slots (rounded down to whole blocks)."""
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, capacity)
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, tokens, block_size)
 
     @torch.no_grad()
     def forward(self, items: list[StepInput]) -> list[torch.Tensor]:
         """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32):
         first the last new committed token's row (if it has new tokens), then one row per new tree
         node, in the order given."""
-        tokens, positions, plan, wanted = [], [], [], []
+        pool = items[0].cache.pool
+        assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
+        tokens, positions, views, wanted = [], [], [], []
         offset = 0
         for it in items:
-            first, pos, mask = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
+            first, pos, tree_rows = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
             n = len(it.new_tokens) + len(it.tree_tokens)
             tokens.extend(it.new_tokens)
             tokens.extend(it.tree_tokens)
             positions.append(pos)
-            plan.append((it.cache, (offset, offset + n), first, mask.shape[1], attention_mask(mask.to(self.device), self.dtype)))
+            views.append(RequestView(it.cache.blocks, first, len(it.new_tokens), it.cache.length, tree_rows))
             start = offset + len(it.new_tokens) - 1 if it.new_tokens else offset
             wanted.append(torch.arange(start, offset + n))
             offset += n
@@ -255,9 +255,10 @@ class LlamaModel(nn.Module):
         freqs = pos[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
+        batch = TreeBatch.build(views, pool.block_size, self.device)
         x = self.embed(ids)
         for layer, block in enumerate(self.layers):
-            x = block(x, cos, sin, layer, plan)
+            x = block(x, cos, sin, layer, pool, batch)
         rows = torch.cat(wanted).to(self.device)
         logits = self.lm_head(self.norm(x[rows])).float()
         return list(logits.split([len(w) for w in wanted]))

@@ -37,21 +37,24 @@ class DraftRequest:
 
 
 class Speculator:
-    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32):
+    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = 65536):
         self.model = model
+        self.pool = model.new_pool(kv_tokens)
         self.index = index  # keeps each SSM's random draws independent of the others'
         self.q_top = q_top
         self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            cache.release()
 
     def _sync(self, req: DraftRequest) -> KVCache:
         """Record new tokens and keep the KV of the part of the last tree they confirm; the root
         (the last token) always stays pending, so the first forward yields its row."""
         cache = self.caches.get(req.request_id)
         if cache is None:
-            cache = self.caches[req.request_id] = self.model.new_cache()
+            cache = self.caches[req.request_id] = self.pool.new_cache()
         cache.tokens.extend(req.new_tokens)
         if not cache.tokens:
             raise ValueError(f"request {req.request_id}: no tokens to draft from")

@@ -30,22 +30,35 @@ class VerifyRequest:
 
 
 class Verifier:
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: LlamaModel, kv_tokens: int = 65536):
         self.model = model
+        self.pool = model.new_pool(kv_tokens)
         self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
+        cache = self.caches.pop(request_id, None)
+        if cache is not None:
+            cache.release()
+
+    def _check_room(self, batch: list[VerifyRequest]) -> None:
+        """Raise CacheFull, before anything changes, if the pool cannot hold the step."""
+        need = 0
+        for req in batch:
+            cache = self.caches.get(req.request_id)
+            slots = (len(cache.tokens) if cache else 0) + len(req.new_tokens) + len(req.tree)
+            need += cache.blocks_to_grow(slots) if cache else self.pool.blocks_for(slots)
+        self.pool.check_room(need)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
         for req in batch:
             check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, self.model.cfg.vocab_size)
             check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, self.model.cfg.vocab_size)
+        self._check_room(batch)
         items = []
         for req in batch:
             cache = self.caches.get(req.request_id)
             if cache is None:
-                cache = self.caches[req.request_id] = self.model.new_cache(len(req.new_tokens) + 64)
+                cache = self.caches[req.request_id] = self.pool.new_cache()
             cache.tokens.extend(req.new_tokens)
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")

@@ -87,7 +87,7 @@ def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: 
     """Fit the cost model from timed forwards at batch 1 after `prompt`: the LLM over the bonus
     token plus a tree of 0..64 nodes, the SSM over one tree level of 1..16 rows."""
     def timed(model: LlamaModel, n_new: int, n_tree: int) -> float:
-        cache = model.new_cache(len(prompt) + 80)
+        cache = model.new_pool(len(prompt) + 80).new_cache()
         model([StepInput(cache, prompt[:-1], [], [])])
         new = prompt[-1:] if n_new else []
 

@@ -23,7 +23,7 @@ from scipy.stats import chisquare
 
 from specinfer import verifier as verifier_module
 from specinfer.generate import Engine, Mode, Request
-from specinfer.kv_cache import KVCache
+from specinfer.kv_cache import KVPool
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams, probabilities
 from specinfer.verify import Verdict
@@ -38,8 +38,8 @@ class MarkovModel:
         self.logits = P.log()
         self.cfg = SimpleNamespace(vocab_size=P.shape[0], eos_token_ids=(), max_position_embeddings=1 << 20)
 
-    def new_cache(self, capacity: int = 64) -> KVCache:
-        return KVCache(1, 1, 1, torch.float32, capacity=capacity)
+    def new_pool(self, tokens: int) -> KVPool:
+        return KVPool(1, 1, 1, torch.float32, tokens=1 << 22)  # one float per slot: room for any test batch
 
     def __call__(self, items):
         out = []

@@ -36,7 +36,8 @@ def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 def check_batch(hf, model, rng, prefix_lens, shapes):
     vocab = model.cfg.vocab_size
-    caches = [model.new_cache() for _ in prefix_lens]
+    pool = model.new_pool(4096)
+    caches = [pool.new_cache() for _ in prefix_lens]
     prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in prefix_lens]
     trees = [SHAPES[s](rng, vocab) for s in shapes]
     out = model([StepInput(c, p, t.tokens, t.parents) for c, p, t in zip(caches, prefixes, trees)])
@@ -83,7 +84,7 @@ def test_ssm_style_level_by_level_growth_matches_causal_decoding(tiny_pair):
     """Nodes added over several forwards (as an SSM grows its tree) attend to earlier levels."""
     hf, llm_dir, _ = tiny_pair
     model = LlamaModel.from_pretrained(llm_dir)
-    cache = model.new_cache()
+    cache = model.new_pool(4096).new_cache()
     prefix = [3, 1, 4, 1, 5]
     model([StepInput(cache, prefix, [], [])])
     level1 = model([StepInput(cache, [], [9, 2], [-1, -1])])[0]

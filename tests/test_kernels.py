@@ -1,0 +1,153 @@
+"""Tree attention over a paged KV cache: the reference means what batch.py says, and the Triton
+kernel equals the reference over many shapes.
+
+Without a GPU the kernel runs on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set by
+conftest before anything imports Triton); with one, natively on CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specinfer.tree import ancestor_mask
+from specinfer_kernels import RequestView, TreeBatch, pack_bits, tree_attention_reference, unpack_bits
+from specinfer_kernels.tree_attention_triton import tree_attention_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# kernel vs reference, max abs difference on unit-variance inputs: float32 accumulates identically
+# up to summation order; fp16/bf16 round P to the input type before P @ V, as FlashAttention does
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def tree_rows(parents: list[int], n_old: int) -> torch.Tensor:
+    return ancestor_mask(parents, torch.zeros(0, 0, dtype=torch.bool))[n_old:] if parents else torch.zeros(0, 0, dtype=torch.bool)
+
+
+def random_parents(rng: random.Random, n: int, shape: str) -> list[int]:
+    if shape == "chain":
+        return list(range(-1, n - 1))
+    if shape == "wide":
+        return [-1] * n
+    return [rng.randrange(-1, u) for u in range(n)]
+
+
+def make_case(seed: int, requests: list[tuple[int, int, int, int, str]], hkv: int, group: int, d: int,
+              dtype: torch.dtype, block_size: int = 16):
+    """requests: (committed prefix in cache, new committed tokens, old tree nodes in cache, new tree
+    nodes, tree shape). Blocks are handed out in a shuffled order, so tables are not contiguous."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(-(-(p + c + o + t) // block_size) for p, c, o, t, _ in requests)
+    free = list(range(need + 3))
+    rng.shuffle(free)
+    views, trees = [], []
+    for prefix, committed, old, new, shape in requests:
+        assert not (committed and old)
+        parents = random_parents(rng, old + new, shape)
+        tree_start = prefix + committed
+        blocks = [free.pop() for _ in range(-(-(tree_start + old + new) // block_size))]
+        # the queries start at the new committed tokens, or after the tree nodes already cached
+        views.append(RequestView(blocks, prefix + old, committed, tree_start, tree_rows(parents, old)))
+        trees.append(parents)
+    batch = TreeBatch.build(views, block_size, DEVICE)
+    n_q = batch.host_q_starts[-1]
+    q = torch.randn(n_q, hkv * group, d, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(need + 3, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(need + 3, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    return q, k, v, batch, views, trees
+
+
+def dense_attention(q, k_cache, v_cache, view: RequestView, block_size: int, parents_visible) -> torch.Tensor:
+    """Plain softmax attention of one request's queries over the keys each may see, spelled out."""
+    slots = view.first + view.n_queries
+    k = torch.cat([k_cache[b] for b in view.blocks])[:slots].float()  # [n, Hkv, D]
+    v = torch.cat([v_cache[b] for b in view.blocks])[:slots].float()
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for i in range(view.n_queries):
+        keys = parents_visible(i)
+        s = torch.einsum("hd,khd->hk", q[i].float(), k[keys].repeat_interleave(group, 1)) / q.shape[-1] ** 0.5
+        out.append(torch.einsum("hk,khd->hd", s.softmax(-1), v[keys].repeat_interleave(group, 1)))
+    return torch.stack(out)
+
+
+def test_bits_round_trip():
+    rows = torch.rand(7, 300) < 0.3
+    assert torch.equal(unpack_bits(pack_bits(rows, 10), 300), rows)
+
+
+@pytest.mark.parametrize("committed,old,new,shape", [
+    (5, 0, 0, "chain"),  # prefill
+    (1, 0, 9, "random"),  # the bonus token plus a tree
+    (0, 0, 12, "random"),
+    (0, 6, 5, "random"),  # an SSM's next level over an earlier one
+])
+def test_reference_is_attention_over_each_nodes_causal_path(committed, old, new, shape):
+    prefix, bs = 21, 16
+    q, k, v, batch, views, trees = make_case(1, [(prefix, committed, old, new, shape)], hkv=2, group=2, d=16,
+                                             dtype=torch.float32, block_size=bs)
+    view, parents = views[0], trees[0]
+    tree_start = prefix + committed
+
+    def visible(i: int) -> list[int]:
+        if i < committed:
+            return list(range(prefix + i + 1))  # causal
+        u, path = old + i - committed, []
+        while u >= 0:
+            path.append(tree_start + u)
+            u = parents[u]
+        return list(range(tree_start)) + sorted(path)
+
+    want = dense_attention(q.cpu(), k.cpu(), v.cpu(), view, bs, visible)
+    got = tree_attention_reference(q, k, v, batch).float().cpu()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+CASES = {
+    "decode_batch1": [(40, 1, 0, 0, "chain")],
+    "prefix0_prefill": [(0, 7, 0, 0, "chain")],
+    "prefix1_tree1": [(1, 0, 0, 1, "chain")],
+    "chain": [(33, 1, 0, 8, "chain")],
+    "wide": [(17, 0, 0, 24, "wide")],
+    "block_boundaries": [(15, 1, 0, 1, "chain"), (16, 0, 0, 16, "random"), (31, 1, 0, 2, "wide")],
+    "long_prefix": [(700, 0, 0, 5, "random")],
+    "tree_256": [(10, 1, 0, 256, "random")],
+    "ssm_levels": [(9, 0, 12, 20, "random"), (3, 0, 2, 4, "wide")],
+    "ragged_batch": [(0, 5, 0, 0, "chain"), (100, 1, 0, 31, "random"), (1, 0, 0, 1, "chain"),
+                     (64, 0, 0, 3, "chain"), (250, 1, 0, 0, "chain")],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_equals_reference(case, dtype):
+    q, k, v, batch, _, _ = make_case(hash(case) % 1000, CASES[case], hkv=2, group=2, d=32, dtype=dtype)
+    want = tree_attention_reference(q, k, v, batch)
+    got = tree_attention_triton(q, k, v, batch)
+    assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("hkv,group,d", [(4, 1, 16), (1, 8, 64), (2, 4, 80), (3, 3, 32)])
+def test_kernel_equals_reference_across_head_layouts(hkv, group, d):
+    """MHA, GQA ratios 1..8, and head dims that are not powers of two."""
+    q, k, v, batch, _, _ = make_case(7, CASES["ragged_batch"], hkv, group, d, torch.float16)
+    got = tree_attention_triton(q, k, v, batch)
+    assert (got.float() - tree_attention_reference(q, k, v, batch).float()).abs().max().item() <= TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_key_ranges_combine_exactly(splits):
+    """Flash-decoding splits (some of which see no key of a short request) combine to the same output."""
+    q, k, v, batch, _, _ = make_case(3, [(300, 1, 0, 6, "random"), (2, 0, 0, 3, "chain")], 2, 2, 32, torch.float32)
+    got = tree_attention_triton(q, k, v, batch, num_splits=splits)
+    assert (got - tree_attention_reference(q, k, v, batch)).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_kernel_reads_any_block_size(block_size):
+    q, k, v, batch, _, _ = make_case(5, CASES["block_boundaries"], 2, 2, 32, torch.float32, block_size)
+    got = tree_attention_triton(q, k, v, batch)
+    assert (got - tree_attention_reference(q, k, v, batch)).abs().max().item() <= TOLERANCE[torch.float32]

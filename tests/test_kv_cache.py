@@ -1,0 +1,94 @@
+"""The paged KV cache: blocks follow use, accepted tree entries are moved (not recomputed), a full
+pool refuses a step without changing anything, and decoding through the Triton kernel on the
+paged cache is the LLM's own greedy decoding."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from specinfer.generate import Engine, Mode, Request
+from specinfer.kv_cache import CacheFull, KVPool
+from specinfer.model import LlamaModel
+from specinfer.tree import TokenTree
+from specinfer.verifier import Verifier, VerifyRequest
+
+from .conftest import MODELS
+from .test_greedy import hf_greedy
+
+
+def test_blocks_are_taken_as_slots_grow_and_given_back():
+    pool = KVPool(2, 1, 4, torch.float32, tokens=8 * 16, block_size=16)
+    cache = pool.new_cache()
+    cache.extend(20, [], [])
+    assert len(cache.blocks) == 2 and len(pool.free) == 6
+    cache.extend(0, list(range(30)), [-1] * 30)  # a 30-node tree: slots 20..49
+    assert len(cache.blocks) == 4
+    cache.commit([3])  # one accepted node: 21 slots stay
+    assert len(cache.blocks) == 2 and len(pool.free) == 6
+    cache.release()
+    assert len(pool.free) == 8 and cache.blocks == []
+    other = pool.new_cache()
+    other.extend(40, [], [])
+    del other
+    gc.collect()
+    assert len(pool.free) == 8, "a dropped cache returns its blocks"
+
+
+def test_commit_moves_accepted_entries_across_blocks():
+    pool = KVPool(2, 2, 4, torch.float32, tokens=6 * 4, block_size=4)
+    pool.k.copy_(torch.randn_like(pool.k))
+    pool.v.copy_(torch.randn_like(pool.v))
+    cache = pool.new_cache()
+    cache.extend(6, [], [])
+    cache.extend(0, [1, 2, 3, 4, 5, 6, 7], [-1, 0, -1, 2, 3, 3, 5])  # slots 6..12
+    path = [2, 3, 5, 6]
+    src = cache.locate(torch.tensor([6 + u for u in path]))
+    want_k, want_v = pool.k[:, src[0], src[1]].clone(), pool.v[:, src[0], src[1]].clone()
+    kept = cache.locate(torch.arange(6))
+    before = pool.k[:, kept[0], kept[1]].clone()
+    cache.commit(path)
+    dst = cache.locate(torch.arange(6, 10))
+    assert cache.length == 10 and len(cache.tree) == 0
+    assert torch.equal(pool.k[:, dst[0], dst[1]], want_k) and torch.equal(pool.v[:, dst[0], dst[1]], want_v)
+    assert torch.equal(pool.k[:, kept[0], kept[1]], before)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LlamaModel.from_pretrained(MODELS / "llm")
+
+
+def test_full_pool_refuses_a_step_and_changes_nothing(llm):
+    verifier = Verifier(llm, kv_tokens=4 * 16)
+    verifier.step([VerifyRequest("a", list(range(1, 40)))])  # 39 slots (+1 bonus token pending): 3 of 4 blocks
+    free, record = list(verifier.pool.free), list(verifier.caches["a"].tokens)
+    with pytest.raises(CacheFull, match="needs 2 more blocks"):
+        verifier.step([VerifyRequest("a", [], TokenTree([5] * 10, [-1] * 10)), VerifyRequest("b", [1, 2, 3])])
+    assert verifier.pool.free == free and verifier.caches["a"].tokens == record and "b" not in verifier.caches
+    verifier.release("a")
+    assert len(verifier.pool.free) == 4
+    verifier.step([VerifyRequest("b", [1, 2, 3])])
+
+
+def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, heldout_ids):
+    """The model with the kernel as its attention (in Triton's interpreter when there is no GPU)
+    emits exactly the tokens of transformers' incremental greedy decoding, and frees every block."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / "llm", dtype=torch.float32).eval()
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    prompts = heldout_ids[:2]
+    want = [hf_greedy(hf, p, 12, eos=llm.cfg.eos_token_ids[0]) for p in prompts]
+    import specinfer_kernels.tree_attention_triton as kernel_module
+    calls = []
+    kernel = kernel_module.tree_attention_triton
+    monkeypatch.setattr(kernel_module, "tree_attention_triton", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "triton")
+    engine = Engine(llm, [ssm], Mode.TREE, [2, 1, 1])
+    gens = engine.generate([Request(p, 12) for p in prompts])
+    assert [g.token_ids for g in gens] == want
+    assert calls and sum(sum(g.accepted) for g in gens) > 0, "the kernel ran and trees were accepted"
+    assert len(engine.verifier.pool.free) == engine.verifier.pool.n_blocks
