@@ -61,7 +61,8 @@ async def main(cfg: ManagerConfig) -> None:
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget)
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
-                          SpeculationController() if cfg.adaptive and speculators else None)
+                          SpeculationController() if cfg.adaptive and speculators else None,
+                          kv_tokens=vinfo.kv_cache_tokens, kv_block_size=max(vinfo.kv_block_size, 1))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
     loop = asyncio.create_task(scheduler.run())
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

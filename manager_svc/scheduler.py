@@ -3,7 +3,10 @@
 The scheduler owns every request's token record (prompt + committed tokens), the single source of
 truth. Each iteration:
 
-  1. admit waiting requests up to the batch size and the prefill token budget;
+  1. admit waiting requests up to the batch size, the prefill token budget and the verifier's KV
+     cache: each running request reserves the slots it can ever hold there (prompt +
+     max_new_tokens + its largest merged draft tree, in whole blocks), so a step never finds the
+     verifier's pool full and nothing admitted has to be dropped;
   2. ask every speculator, concurrently, for the batch's draft trees and merge them per request;
   3. one batched Verify: a new request's prompt rides in the same batch as the others' trees;
   4. append each request's accepted tokens, stream them, retire finished requests and release
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specinfer.generate import Request, append_tokens
-from specinfer.tree import TokenTree, fit_expansion, merge
+from specinfer.tree import TokenTree, fit_expansion, merge, tree_size
 from specinfer_rpc.server import Abort
 
 from .clients import Check, Draft, SpeculatorClient, VerifierClient, VerifierResync, VerifierUnavailable
@@ -57,6 +60,7 @@ class Sequence:
     accepted: int = 0  # draft tokens accepted
     verifier_has: int = 0  # tokens of the record the verifier holds
     resyncs: int = 0
+    kv_reserved: int = 0  # verifier KV slots reserved while running
     done: bool = False
 
     @property
@@ -87,7 +91,8 @@ class Stats:
 class Scheduler:
     def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorClient], eos: set[int],
                  expansion: list[int], tree_budget: int, max_batch: int, max_queue: int,
-                 max_prefill_tokens: int, controller: SpeculationController | None = None):
+                 max_prefill_tokens: int, controller: SpeculationController | None = None,
+                 kv_tokens: int = 0, kv_block_size: int = 1):
         self.verifier = verifier
         self.speculators = speculators
         self.eos = eos
@@ -97,6 +102,9 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.controller = controller  # None: always use the server's trees (within the budget)
+        self.kv_tokens = kv_tokens  # the verifier's KV pool in token slots (0: not limited)
+        self.kv_block_size = kv_block_size
+        self.kv_reserved = 0
         self.waiting: deque[Sequence] = deque()
         self.running: dict[str, Sequence] = {}
         self.verifier_release: set[str] = set()
@@ -112,6 +120,10 @@ class Scheduler:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"server busy: {len(self.waiting)} requests waiting (max_queue {self.max_queue})")
         seq = Sequence(request, expansion)
+        if self.kv_tokens and self._kv_need(seq) > self.kv_tokens:
+            raise ValueError(f"max_new_tokens: prompt ({len(request.prompt)}) + max_new_tokens "
+                             f"({request.max_new_tokens}) + draft tree need {self._kv_need(seq)} KV slots; "
+                             f"the verifier has {self.kv_tokens}")
         self.waiting.append(seq)
         self.wake.set()
         return seq
@@ -201,9 +213,21 @@ class Scheduler:
             n = len(self.waiting[0].request.prompt)
             if n > budget and budget < self.max_prefill_tokens:
                 break  # this prompt waits for the next iteration's budget
+            need = self._kv_need(self.waiting[0])
+            if self.kv_tokens and self.kv_reserved + need > self.kv_tokens:
+                break  # waits for running requests to free the verifier's KV cache
             seq = self.waiting.popleft()
             self.running[seq.id] = seq
+            seq.kv_reserved = need
+            self.kv_reserved += need
             budget -= n
+
+    def _kv_need(self, seq: Sequence) -> int:
+        """Verifier KV slots the request can ever hold, in whole blocks: its whole record plus the
+        largest tree the speculators can send it (merging unions their trees)."""
+        tree = tree_size(seq.expansion) if seq.expansion is not None else min(tree_size(self.expansion), self.tree_budget)
+        slots = len(seq.request.prompt) + seq.request.max_new_tokens + tree * len(self.speculators)
+        return -(-slots // self.kv_block_size) * self.kv_block_size
 
     def _plan(self, seq: Sequence, per_request: int) -> list[int]:
         """The request's expansion config this step: its own if fixed, else the server's within
@@ -230,6 +254,8 @@ class Scheduler:
 
     def _retire(self, seq: Sequence) -> None:
         seq.done = True
+        self.kv_reserved -= seq.kv_reserved
+        seq.kv_reserved = 0
         if self.running.pop(seq.id, None) is not None:
             self.verifier_release.add(seq.id)  # it may be in a verify call right now
         for c in self.speculators:

@@ -27,6 +27,13 @@ from .tree import parse_expansion
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(name: str) -> torch.device:
+    """'auto' is cuda when there is a GPU, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def models_dir() -> Path:
     return Path(os.environ.get("SPECINFER_MODELS", Path(__file__).resolve().parent.parent / "models"))
 

@@ -233,7 +233,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, items: list[StepInput]) -> list[torch.Tensor]:
-        """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32):
+        """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32, on the
+        CPU, where verification and sampling run):
         first the last new committed token's row (if it has new tokens), then one row per new tree
         node, in the order given."""
         pool = items[0].cache.pool
@@ -260,7 +261,7 @@ class LlamaModel(nn.Module):
         for layer, block in enumerate(self.layers):
             x = block(x, cos, sin, layer, pool, batch)
         rows = torch.cat(wanted).to(self.device)
-        logits = self.lm_head(self.norm(x[rows])).float()
+        logits = self.lm_head(self.norm(x[rows])).float().cpu()
         return list(logits.split([len(w) for w in wanted]))
 
 

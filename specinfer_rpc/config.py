@@ -71,4 +71,6 @@ class ModelServerConfig(ServerConfig):
     """Settings of a service that runs models."""
 
     dtype: str = option("float32", "weights and activations: float32, float16, bfloat16, float64")
+    device: str = option("auto", "cpu, cuda or cuda:N (auto: cuda when there is a GPU)")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
+    kv_cache_tokens: int = option(65536, "token slots of the paged KV cache pool, preallocated at start")

@@ -105,13 +105,13 @@ def wait_healthy(address: str, timeout: float) -> None:
 
 
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
-           dtype: str = "float32", manager_args: list[str] = (), timeout: float = 120.0,
-           log_dir: Path | None = None) -> System:
+           dtype: str = "float32", manager_args: list[str] = (), verifier_args: list[str] = (),
+           timeout: float = 120.0, log_dir: Path | None = None) -> System:
     """Start the whole system; speculator i hosts ssms[i % len(ssms)]."""
     system = System(log_dir=log_dir)
     try:
         common = ["--host", host, "--port", "0", "--dtype", dtype]
-        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common], timeout)
+        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *verifier_args], timeout)
         specs = [system.start(f"speculator-{i}", "speculator_svc",
                               ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common], timeout)
                  for i in range(speculators if ssms else 0)]

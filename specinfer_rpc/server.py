@@ -17,6 +17,8 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specinfer.kv_cache import CacheFull
+
 from .config import ServerConfig
 
 log = logging.getLogger("specinfer")
@@ -33,6 +35,8 @@ class Abort(Exception):
 def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, Abort):
         return e.code, str(e)
+    if isinstance(e, CacheFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, ValueError):  # the core names the field: "max_new_tokens: must be > 0, got 0"
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     log.exception("internal error")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.cli import DTYPES, default_ssms
+from specinfer.cli import DTYPES, default_ssms, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -32,10 +32,12 @@ async def main(cfg: SpeculatorConfig) -> None:
         torch.set_num_threads(cfg.threads)
     if not cfg.ssm:
         raise SystemExit("speculator: no SSM given (--ssm)")
-    models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype]) for d in cfg.ssm]
+    device = resolve_device(cfg.device)
+    models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype], device=device) for d in cfg.ssm]
     if len({m.cfg.vocab_size for m in models}) != 1:
         raise SystemExit("speculator: the SSMs must share a tokenizer (vocab sizes differ)")
-    servicer = SpeculatorServicer([Speculator(m, index=i, q_top=cfg.q_top) for i, m in enumerate(models)],
+    servicer = SpeculatorServicer([Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens)
+                                   for i, m in enumerate(models)],
                                   [Path(d).name for d in cfg.ssm])
     service = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
     await serve("speculator", cfg, [(speculator_pb2_grpc.add_SpeculatorServicer_to_server, servicer, service)])

@@ -70,3 +70,16 @@ def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
     assert tree["tokens_per_step"] > 1.0 and len(tree["acceptance_by_depth"]) == 8
     assert sum(result["tree_search"]["rank_acceptance"]) <= 1.0 and result["tree_search"]["best"]["tokens_per_step"] >= 1.0
     assert out.with_suffix(".png").stat().st_size > 10_000 and "## Tree-shape search" in out.with_suffix(".md").read_text()
+
+
+def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
+    out = tmp_path / "kernel"
+    subprocess.run([sys.executable, "-m", "specinfer_bench.kernel", "--quick", "--out", str(out)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["prefix"], r["tree"], r["batch"]) for r in data["attention"]} == {(64, t, b) for t in (1, 8) for b in (1, 2)}
+    assert all(r["reference_ms"] > 0 and r["sdpa_mask_ms"] > 0 for r in data["attention"])
+    assert [r["tree"] for r in data["verifier"]] == [0, 8] and data["verifier"][0]["vs_one_token"] == 1.0
+    if not torch.cuda.is_available():
+        assert "kernel_ms" not in data["attention"][0] and "No GPU" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0

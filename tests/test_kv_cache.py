@@ -1,11 +1,15 @@
 """The paged KV cache: blocks follow use, accepted tree entries are moved (not recomputed), a full
-pool refuses a step without changing anything, and decoding through the Triton kernel on the
-paged cache is the LLM's own greedy decoding."""
+pool refuses a step without changing anything, decoding through the Triton kernel on the paged
+cache is the LLM's own greedy decoding, and the manager admits requests within the verifier's
+pool."""
 
 from __future__ import annotations
 
 import gc
+import threading
+import time
 
+import grpc
 import pytest
 import torch
 
@@ -14,8 +18,12 @@ from specinfer.kv_cache import CacheFull, KVPool
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
+from specinfer_rpc.client import generate_all
+from specinfer_rpc.launch import launch
+from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 from .conftest import MODELS
+from .services import active_requests, reference_greedy
 from .test_greedy import hf_greedy
 
 
@@ -92,3 +100,34 @@ def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, 
     assert [g.token_ids for g in gens] == want
     assert calls and sum(sum(g.accepted) for g in gens) > 0, "the kernel ran and trees were accepted"
     assert len(engine.verifier.pool.free) == engine.verifier.pool.n_blocks
+
+
+def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
+    """A verifier with a small pool: the manager runs only as many requests as their reservations
+    fit, the rest wait (none fails) and every output is exact; one that could never fit is
+    refused with INVALID_ARGUMENT naming max_new_tokens."""
+    prompts, new = heldout_ids[:6], 100
+    tree = 6 * 2  # the server's 2,1,1 tree from each of two speculators
+    needs = [-(-(len(p) + new + tree) // 16) * 16 for p in prompts]
+    kv = 2 * max(needs)
+    system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0,
+                    verifier_args=["--kv-cache-tokens", str(kv)])
+    try:
+        with grpc.insecure_channel(system.by_name("verifier").address) as channel:
+            info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+        assert info.kv_cache_tokens == kv and info.kv_block_size == 16
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            streams=generate_all(system.manager.address, [Request(p, new) for p in prompts])))
+        worker.start()
+        most = 0
+        while worker.is_alive():
+            most = max(most, active_requests(system)["verifier"])
+            time.sleep(0.05)
+        assert [s.token_ids for s in result["streams"]] == reference_greedy(prompts, new)
+        assert most <= kv // min(needs)
+        with pytest.raises(grpc.RpcError) as e:
+            generate_all(system.manager.address, [Request(prompts[0], kv)])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_new_tokens:")
+    finally:
+        system.stop()

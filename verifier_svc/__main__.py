@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.cli import DTYPES, models_dir
+from specinfer.cli import DTYPES, models_dir, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.verifier import Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -30,8 +30,8 @@ class VerifierConfig(ModelServerConfig):
 async def main(cfg: VerifierConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model = LlamaModel.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype])
-    servicer = VerifierServicer(Verifier(model), Path(cfg.model).name, cfg.idle_timeout)
+    model = LlamaModel.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
+    servicer = VerifierServicer(Verifier(model, cfg.kv_cache_tokens), Path(cfg.model).name, cfg.idle_timeout)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     await serve("verifier", cfg, [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer, service)])
 

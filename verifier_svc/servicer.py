@@ -72,8 +72,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc_errors
     async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
-        cfg = self.verifier.model.cfg
+        cfg, pool = self.verifier.model.cfg, self.verifier.pool
         return verifier_pb2.VerifierInfo(model_name=self.model_name, vocab_size=cfg.vocab_size,
                                          context_length=cfg.max_position_embeddings,
                                          eos_token_ids=cfg.eos_token_ids,
-                                         active_requests=len(self.verifier.caches))
+                                         active_requests=len(self.verifier.caches),
+                                         kv_cache_tokens=pool.n_blocks * pool.block_size,
+                                         kv_cache_free_tokens=len(pool.free) * pool.block_size,
+                                         kv_block_size=pool.block_size)

@@ -61,15 +61,21 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests", "kv_cache_tokens", "kv_cache_free_tokens", "kv_block_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     active_requests: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    kv_cache_tokens: int
+    kv_cache_free_tokens: int
+    kv_block_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ...) -> None: ...

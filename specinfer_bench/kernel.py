@@ -1,0 +1,248 @@
+"""Tree attention and the verifier step, timed side by side in one run.
+
+1. Attention over a paged KV cache for a ragged batch of trees: our Triton kernel, its PyTorch
+   reference (per request: gather pages, SDPA with the tree mask), and PyTorch
+   scaled_dot_product_attention on a padded contiguous batch with an explicit boolean mask (what
+   one does without a paged tree kernel). Grid: prefix length x tree size x batch size, Llama-3-8B
+   attention shapes (32 query heads, 8 KV heads, head dim 128). Reports time and the bandwidth
+   achieved on the KV reads against the card's peak.
+2. One verifier step (tree attention, verification and all) of a Llama-shaped model with random
+   weights (`--model 1b`: 1.2B parameters, Llama-3.2-1B's shape) or the shipped LLM, against tree
+   size at several batch sizes, relative to a one-token step.
+
+On CUDA everything runs natively (timed with triton.testing.do_bench). Without a GPU the kernel
+would only run in Triton's interpreter, which says nothing about speed, so the CPU run times the
+reference and SDPA on a small grid and the verifier step on the shipped LLM, and says so.
+
+    python -m specinfer_bench.kernel --out bench/results/kernel_h200            # on a GPU
+    python -m specinfer_bench.kernel --out bench/results/kernel_cpu             # CPU: small grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specinfer.cli import models_dir
+from specinfer.model import LlamaModel, ModelConfig
+from specinfer.tree import TokenTree, ancestor_mask, dfs_order, reorder
+from specinfer.verifier import Verifier, VerifyRequest
+from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
+
+from .report import _plt, machine
+
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}  # HBM/GDDR peak, vendor figures
+GPU_GRID = dict(prefix=[512, 2048, 8192, 16384], tree=[1, 16, 64, 256], batch=[1, 8, 64])
+CPU_GRID = dict(prefix=[512, 2048], tree=[1, 16, 64], batch=[1, 8])
+LLAMA_1B = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
+                       attention_bias=False, output_bias=False, tie_word_embeddings=True,
+                       max_position_embeddings=131072, eos_token_ids=())
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> TokenTree:
+    tree = TokenTree([rng.randrange(vocab) for _ in range(n)], [rng.randrange(-1, u) for u in range(n)])
+    return reorder(tree, dfs_order(tree.parents))
+
+
+def timed_ms(fn, cuda: bool) -> float:
+    if cuda:
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=10, rep=50)
+    fn()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv=8, d=128, bs=16):
+    """A batch of `batch` requests, each a `prefix`-token cache plus a `tree`-node tree (tree=1: one
+    new committed token, plain decoding), its pages scattered over the pool."""
+    rng = random.Random(prefix * 7 + tree * 3 + batch)
+    per = -(-(prefix + tree) // bs)
+    order = list(range(per * batch))
+    rng.shuffle(order)
+    views = []
+    for b in range(batch):
+        blocks = order[b * per:(b + 1) * per]
+        if tree == 1:
+            views.append(RequestView(blocks, prefix, 1, prefix + 1, torch.zeros(0, 0, dtype=torch.bool)))
+        else:
+            parents = random_tree(rng, tree, 2).parents
+            views.append(RequestView(blocks, prefix, 0, prefix, ancestor_mask(parents, torch.zeros(0, 0, dtype=torch.bool))))
+    tb = TreeBatch.build(views, bs, device)
+    q = torch.randn(tb.host_q_starts[-1], hq, d, dtype=dtype, device=device)
+    k = torch.randn(per * batch, bs, hkv, d, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    return q, k, v, tb
+
+
+def dense_inputs(q, k, v, tb: TreeBatch):
+    """The same batch padded and contiguous, with an explicit boolean mask [B, 1, Q, T]."""
+    n_q = max(b - a for a, b in zip(tb.host_q_starts, tb.host_q_starts[1:]))
+    t_max = tb.max_seq_len
+    B, (_, hq, d), hkv = tb.n_requests, q.shape, k.shape[2]
+    qd = q.new_zeros(B, hq, n_q, d)
+    kd, vd = q.new_zeros(B, hkv, t_max, d), q.new_zeros(B, hkv, t_max, d)
+    mask = torch.zeros(B, 1, n_q, t_max, dtype=torch.bool, device=q.device)
+    mask[..., 0] = True  # padded query rows see one key (their output is ignored)
+    for b, n in enumerate(tb.host_seq_lens):
+        a, e = tb.host_q_starts[b], tb.host_q_starts[b + 1]
+        blocks = tb.block_tables[b, : -(-n // tb.block_size)]
+        qd[b, :, : e - a] = q[a:e].transpose(0, 1)
+        kd[b, :, :n] = k[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        vd[b, :, :n] = v[blocks].flatten(0, 1)[:n].transpose(0, 1)
+        m = tb.masks[b]
+        mask[b, 0, : e - a, :n] = True if m is None else m
+    return qd, kd, vd, mask
+
+
+def bench_attention(grid: dict, dtype, device, peak: float | None) -> list[dict]:
+    cuda = device.type == "cuda"
+    rows = []
+    cases = [(p, t, b) for p in grid["prefix"] for t in grid["tree"] for b in grid["batch"]]
+    for prefix, tree, batch in tqdm(cases, desc="attention"):
+        q, k, v, tb = attention_case(prefix, tree, batch, dtype, device)
+        qd, kd, vd, mask = dense_inputs(q, k, v, tb)
+        kv_bytes = sum(tb.host_seq_lens) * k.shape[2] * k.shape[3] * 2 * k.element_size()
+        row = {"prefix": prefix, "tree": tree, "batch": batch,
+               "reference_ms": timed_ms(lambda: tree_attention_reference(q, k, v, tb), cuda),
+               "sdpa_mask_ms": timed_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                                                enable_gqa=True), cuda)}
+        if cuda:
+            from specinfer_kernels.tree_attention_triton import tree_attention_triton
+            row["kernel_ms"] = timed_ms(lambda: tree_attention_triton(q, k, v, tb), cuda)
+            row["kernel_gbps"] = kv_bytes / row["kernel_ms"] / 1e6
+            if peak:
+                row["kernel_peak_fraction"] = row["kernel_gbps"] / peak
+            row["kernel_vs_sdpa"] = row["sdpa_mask_ms"] / row["kernel_ms"]
+        rows.append(row)
+        del q, k, v, tb, qd, kd, vd, mask
+    return rows
+
+
+def random_model(cfg: ModelConfig, dtype, device) -> LlamaModel:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaModel(cfg).to(dtype)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    return model.eval().requires_grad_(False)
+
+
+def bench_verifier(model: LlamaModel, trees: list[int], batches: list[int], prompt_len: int, cuda: bool) -> list[dict]:
+    rng = random.Random(0)
+    vocab = model.cfg.vocab_size
+    rows = []
+    for batch in tqdm(batches, desc="verifier step"):
+        verifier = Verifier(model, kv_tokens=batch * (prompt_len + 2048))
+        ids = [f"r{i}" for i in range(batch)]
+        verifier.step([VerifyRequest(i, [rng.randrange(vocab) for _ in range(prompt_len)]) for i in ids])
+        for n in trees:
+            shaped = [random_tree(rng, n, vocab) if n else TokenTree() for _ in ids]
+
+            def step():
+                verifier.step([VerifyRequest(i, [], t) for i, t in zip(ids, shaped)])
+                if cuda:
+                    torch.cuda.synchronize()
+            rows.append({"batch": batch, "tree": n, "step_ms": timed_ms(step, False)})
+        base = next(r["step_ms"] for r in rows if r["batch"] == batch and r["tree"] == 0)
+        for r in rows:
+            if r["batch"] == batch:
+                r["vs_one_token"] = r["step_ms"] / base
+    return rows
+
+
+def markdown(meta: dict, attention: list[dict], steps: list[dict]) -> str:
+    out = [f"# Tree attention and verifier step: {meta['machine']}", "", f"Command: `{meta['command']}`", "",
+           f"dtype {meta['dtype']}; attention shapes: 32 query heads, 8 KV heads, head dim 128, 16-token pages.", ""]
+    if meta["note"]:
+        out += [meta["note"], ""]
+    kernel = "kernel_ms" in (attention[0] if attention else {})
+    head = ["prefix", "tree", "batch", "reference ms", "SDPA+mask ms"] + (
+        ["kernel ms", "kernel vs SDPA", "KV GB/s", "of peak"] if kernel else [])
+    out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in attention:
+        cells = [r["prefix"], r["tree"], r["batch"], f"{r['reference_ms']:.3f}", f"{r['sdpa_mask_ms']:.3f}"]
+        if kernel:
+            cells += [f"{r['kernel_ms']:.3f}", f"{r['kernel_vs_sdpa']:.2f}x", f"{r['kernel_gbps']:.0f}",
+                      f"{r.get('kernel_peak_fraction', float('nan')):.0%}"]
+        out.append("| " + " | ".join(map(str, cells)) + " |")
+    out += ["", f"Verifier step ({meta['model']}, prompt {meta['prompt_len']} tokens, greedy verification "
+            "included; tree 0 = a one-token step):", "", "| batch | tree nodes | step ms | vs one-token step |",
+            "| --- | --- | --- | --- |"]
+    out += [f"| {r['batch']} | {r['tree']} | {r['step_ms']:.2f} | {r['vs_one_token']:.2f}x |" for r in steps]
+    return "\n".join(out) + "\n"
+
+
+def plot(attention: list[dict], steps: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    batch = min(r["batch"] for r in attention)
+    for key, style in (("kernel_ms", "-"), ("reference_ms", "--"), ("sdpa_mask_ms", ":")):
+        for prefix in sorted({r["prefix"] for r in attention}):
+            pts = [(r["tree"], r[key]) for r in attention if r["prefix"] == prefix and r["batch"] == batch and key in r]
+            if pts:
+                a.plot(*zip(*pts), style, marker="o", label=f"{key[:-3]} prefix {prefix}")
+    a.set(xscale="log", yscale="log", xlabel="tree nodes", ylabel="ms", title=f"attention, batch {batch}")
+    a.legend(fontsize=7)
+    for bsz in sorted({r["batch"] for r in steps}):
+        pts = [(r["tree"], r["vs_one_token"]) for r in steps if r["batch"] == bsz]
+        b.plot(*zip(*pts), marker="o", label=f"batch {bsz}")
+    b.axhline(1.2, color="grey", linestyle=":")
+    b.set(xlabel="tree nodes", ylabel="step time / one-token step", title="verifier step")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specinfer_bench.kernel", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results/kernel"))
+    p.add_argument("--model", choices=["1b", "shipped"], default=None, help="default: 1b on CUDA, shipped on CPU")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak (default: by GPU name)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--quick", action="store_true", help="the smallest grid (a smoke run)")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    grid = GPU_GRID if cuda else CPU_GRID
+    trees, batches = [0, 1, 4, 16, 64, 128, 256], [1, 8, 32]
+    if args.quick:
+        grid, trees, batches = dict(prefix=[64], tree=[1, 8], batch=[1, 2]), [0, 8], [1]
+    peak = args.peak_gbps or (next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None)
+                              if cuda else None)
+    model_kind = args.model or ("1b" if cuda else "shipped")
+    model = (random_model(LLAMA_1B, dtype, device) if model_kind == "1b"
+             else LlamaModel.from_pretrained(models_dir() / "llm", dtype=dtype, device=device))
+    n_params = sum(p.numel() for p in model.parameters())
+    meta = {"machine": machine(), "dtype": str(dtype).removeprefix("torch."), "peak_gbps": peak,
+            "model": f"{model_kind} ({n_params / 1e9:.2f}B parameters)", "prompt_len": args.prompt_len,
+            "command": "python -m specinfer_bench.kernel " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            "note": "" if cuda else ("No GPU: the Triton kernel runs only in Triton's interpreter here, which says "
+                                     "nothing about its speed, so it is not timed; the GPU figures remain to be measured.")}
+    attention = bench_attention(grid, dtype, device, peak)
+    steps = bench_verifier(model, trees, batches, args.prompt_len, cuda)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "attention": attention, "verifier": steps}, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(meta, attention, steps))
+    plot(attention, steps, args.out.with_suffix(".png"))
+    print(markdown(meta, attention, steps))
+
+
+if __name__ == "__main__":
+    main()
