@@ -17,6 +17,7 @@ there, and only there, bfloat16 tiles are widened to float32 right after loading
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -132,11 +133,16 @@ def _tiles(batch: TreeBatch, group: int, block_m: int, device) -> tuple[torch.Te
     return cache[key]
 
 
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _num_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
     """Enough key splits to give every SM about two programs, each split at least 4 tiles long."""
     if device.type != "cuda" or programs == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device)
     return max(1, min(math.ceil(2 * sms / programs), math.ceil(max_seq_len / (4 * block_n)), 64))
 
 
