@@ -150,7 +150,8 @@ def cmd_serve(args) -> int:
 
     ssms = args.ssm or default_ssms()
     system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
-                    args.host, args.port, args.dtype, args.manager_arg)
+                    args.host, args.port, args.dtype, args.manager_arg,
+                    ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg])
     for s in system.services:
         print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}", file=sys.stderr)
     print(f"specinfer serve: ready; the manager (Generation API) listens on {system.manager.address}", flush=True)
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="speculator processes (default: one per SSM); speculator i hosts SSM i mod #SSMs")
     srv.add_argument("--manager-arg", action="append", default=[],
                      help="extra flag for the manager, repeatable (e.g. --manager-arg=--tree-budget=32)")
+    srv.add_argument("--verifier-arg", action="append", default=[],
+                     help="extra flag for the verifier, repeatable (e.g. --verifier-arg=--kv-cache-tokens=131072)")
+    srv.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks per pipeline stage")
+    srv.add_argument("--pp", type=int, default=1, help="the verifier's pipeline stages (tp * pp processes)")
     add_model_flags(srv)
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from specinfer_kernels import RequestView, TreeBatch, tree_attention
@@ -191,38 +191,52 @@ class Block(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+@dataclass
+class Step:
+    """One forward pass's inputs, prepared once: the caches are extended already."""
+
+    ids: torch.Tensor  # [N] token ids
+    cos: torch.Tensor  # [N, 1, D]
+    sin: torch.Tensor
+    pool: KVPool
+    batch: TreeBatch
+    wanted: list[torch.Tensor]  # per item, the rows that reach the LM head
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The whole model, or one pipeline stage of it: `embed` and `head` say whether this part has
+    the embedding and the final norm + LM head; `cfg.num_layers` is the number of layers it has."""
+
+    def __init__(self, cfg: ModelConfig, embed: bool = True, head: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False)  # a transposed copy when tied
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None  # a transposed copy when tied
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return next(self.parameters()).dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return next(self.parameters()).device
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "LlamaModel":
-        path = Path(path)
         cfg = ModelConfig.from_dir(path)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors weights")
-        raw: dict[str, torch.Tensor] = {}
-        for f in files:
-            raw.update(load_file(f))
+        return cls.from_weights(cfg, read_weights(path), dtype, device)
+
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: str | torch.device, embed: bool = True, head: bool = True) -> "LlamaModel":
+        """Build from Hugging Face-named tensors (layers numbered from 0 for a pipeline stage)."""
         with torch.device("meta"):
-            model = cls(cfg)
-        model.load_state_dict(hf_to_ours(raw, cfg), assign=True, strict=True)
+            model = cls(cfg, embed, head)
+        model.load_state_dict(hf_to_ours(raw, cfg, embed, head), assign=True, strict=True)
         model.inv_freq = rope_inv_freq(cfg)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
@@ -237,6 +251,11 @@ class LlamaModel(nn.Module):
         CPU, where verification and sampling run):
         first the last new committed token's row (if it has new tokens), then one row per new tree
         node, in the order given."""
+        step = self.prepare(items)
+        return self.logits(self.run_layers(self.embed(step.ids), step), step)
+
+    def prepare(self, items: list[StepInput]) -> Step:
+        """Extend every item's cache and lay the batch out (ids, rotary angles, attention batch)."""
         pool = items[0].cache.pool
         assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
         tokens, positions, views, wanted = [], [], [], []
@@ -256,20 +275,49 @@ class LlamaModel(nn.Module):
         freqs = pos[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
-        batch = TreeBatch.build(views, pool.block_size, self.device)
-        x = self.embed(ids)
+        return Step(ids, cos, sin, pool, TreeBatch.build(views, pool.block_size, self.device), wanted)
+
+    @torch.no_grad()
+    def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [N, hidden] through this model's layers."""
         for layer, block in enumerate(self.layers):
-            x = block(x, cos, sin, layer, pool, batch)
-        rows = torch.cat(wanted).to(self.device)
+            x = block(x, step.cos, step.sin, layer, step.pool, step.batch)
+        return x
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor, step: Step) -> list[torch.Tensor]:
+        rows = torch.cat(step.wanted).to(self.device)
         logits = self.lm_head(self.norm(x[rows])).float().cpu()
-        return list(logits.split([len(w) for w in wanted]))
+        return list(logits.split([len(w) for w in step.wanted]))
 
 
-def hf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors by Hugging Face name. `select(name, shape)` may return
+    None to skip a tensor, or an index (e.g. a tuple of slices) to read only that part of it."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as reader:
+            for name in reader.keys():
+                part = reader.get_slice(name)
+                index = (...,) if select is None else select(name, part.get_shape())
+                if index is not None:
+                    raw[name] = part[index]
+    return raw
+
+
+def hf_to_ours(raw: dict[str, torch.Tensor], cfg: ModelConfig, embed: bool = True,
+               head: bool = True) -> dict[str, torch.Tensor]:
     """Rename Hugging Face weights, fuse q/k/v and gate/up, and store projections [in, out]."""
-    head = raw["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    out = {"embed.weight": raw["model.embed_tokens.weight"], "norm.weight": raw["model.norm.weight"],
-           "lm_head.weight": head.t().contiguous()}
+    out = {}
+    if embed:
+        out["embed.weight"] = raw["model.embed_tokens.weight"]
+    if head:
+        out["norm.weight"] = raw["model.norm.weight"]
+        out["lm_head.weight"] = raw["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"].t().contiguous()
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."

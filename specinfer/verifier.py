@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .kv_cache import KVCache
 from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, request_generator
@@ -63,15 +65,25 @@ class Verifier:
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents))
-        verdicts = []
-        for req, logits in zip(batch, self.model(items)):  # logits [1 + n_tree, V]
+        verdicts = self.decide(batch, self.forward(items))
+        for req, verdict in zip(batch, verdicts):
             cache = self.caches[req.request_id]
-            if req.sampling.greedy:
-                verdict = verify_greedy(req.tree, logits.argmax(dim=-1).tolist())
-            else:
-                gen = request_generator(req.sampling.seed, "verify", len(cache.tokens))
-                verdict = verify_stochastic(req.tree, probabilities(logits, req.sampling), gen)
             cache.commit(verdict.path)
             cache.tokens.extend(verdict.tokens)
-            verdicts.append(verdict)
+        return verdicts
+
+    def forward(self, items: list[StepInput]) -> list[torch.Tensor] | None:
+        """The LLM's logits [1 + n_tree, V] per item (a model-parallel verifier: None on the ranks
+        that do not hold them)."""
+        return self.model(items)
+
+    def decide(self, batch: list[VerifyRequest], logits: list[torch.Tensor]) -> list[Verdict]:
+        """Each request's accepted path and tokens, from its logits."""
+        verdicts = []
+        for req, rows in zip(batch, logits):
+            if req.sampling.greedy:
+                verdicts.append(verify_greedy(req.tree, rows.argmax(dim=-1).tolist()))
+            else:
+                gen = request_generator(req.sampling.seed, "verify", len(self.caches[req.request_id].tokens))
+                verdicts.append(verify_stochastic(req.tree, probabilities(rows, req.sampling), gen))
         return verdicts

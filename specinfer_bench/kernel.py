@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +35,7 @@ from specinfer.tree import TokenTree, ancestor_mask, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 
-from .report import _plt, machine
+from .report import _plt, machine, median_ms
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}  # HBM/GDDR peak, vendor figures
 GPU_GRID = dict(prefix=[512, 2048, 8192, 16384], tree=[1, 16, 64, 256], batch=[1, 8, 64])
@@ -57,13 +55,8 @@ def timed_ms(fn, cuda: bool) -> float:
     if cuda:
         import triton.testing
         return triton.testing.do_bench(fn, warmup=10, rep=50)
-    fn()
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
+    fn()  # warm-up
+    return median_ms(fn, 7)
 
 
 def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv=8, d=128, bs=16):
@@ -128,7 +121,6 @@ def bench_attention(grid: dict, dtype, device, peak: float | None) -> list[dict]
                 row["kernel_peak_fraction"] = row["kernel_gbps"] / peak
             row["kernel_vs_sdpa"] = row["sdpa_mask_ms"] / row["kernel_ms"]
         rows.append(row)
-        del q, k, v, tb, qd, kd, vd, mask
     return rows
 
 

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of `fn` over repeated calls, in ms (the machine is noisy)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def machine() -> str:

@@ -18,13 +18,14 @@ Cost model (measured on this machine at batch 1): a step costs the verifier's fo
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
 
 from specinfer.model import LlamaModel, StepInput
 from specinfer.tree import tree_size
+
+from .report import median_ms
 
 
 def expected_tokens_per_step(expansion: list[int], p: list[float]) -> float:
@@ -73,16 +74,6 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _best_ms(fn, repeats: int) -> float:
-    """Median of repeated timings, in ms (the machine is noisy)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
-
-
 def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: int = 15) -> CostModel:
     """Fit the cost model from timed forwards at batch 1 after `prompt`: the LLM over the bonus
     token plus a tree of 0..64 nodes, the SSM over one tree level of 1..16 rows."""
@@ -95,7 +86,7 @@ def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: 
             model([StepInput(cache, new, [7] * n_tree, [-1] * n_tree)])
             cache.length -= len(new)
             cache.drop_tree()
-        return _best_ms(forward, repeats)
+        return median_ms(forward, repeats)
 
     rows = [1 + n for n in (0, 4, 16, 32, 64)]
     v0, v1 = _fit(rows, [timed(llm, 1, r - 1) for r in rows])

@@ -15,6 +15,7 @@ from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 from .servicer import VerifierServicer
+from .workers import ParallelVerifier
 
 
 @dataclass
@@ -25,15 +26,28 @@ class VerifierConfig(ModelServerConfig):
     port: int = option(50053, "port to listen on (0: any free port)")
     idle_timeout: float = option(600.0, "seconds after which a request no Verify call touched is freed "
                                         "(its manager went away without releasing it)")
+    tp: int = option(1, "tensor-parallel ranks per pipeline stage (heads, MLP and vocabulary split)")
+    pp: int = option(1, "pipeline stages (layers split); tp * pp processes in all, this one is rank 0")
+    dist_timeout: float = option(30.0, "seconds a torch.distributed collective may wait for a rank")
 
 
 async def main(cfg: VerifierConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    model = LlamaModel.from_pretrained(cfg.model, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
-    servicer = VerifierServicer(Verifier(model, cfg.kv_cache_tokens), Path(cfg.model).name, cfg.idle_timeout)
+    dtype, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
+    if cfg.tp * cfg.pp > 1:
+        verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
+                                    cfg.dist_timeout)
+        print(f"verifier: tp {cfg.tp} x pp {cfg.pp}, ranks 1.. are pids {verifier.pids()}", flush=True)
+    else:
+        verifier = Verifier(LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device), cfg.kv_cache_tokens)
+    servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
-    await serve("verifier", cfg, [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer, service)])
+    try:
+        await serve("verifier", cfg, [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer, service)])
+    finally:
+        if isinstance(verifier, ParallelVerifier):
+            verifier.close()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """Thin gRPC adapter over the core `Verifier`: protobuf in, one batched LLM step, token IDs out.
 
 Model compute runs on one worker thread, never on the event loop, so health checks and releases
-are answered while a step runs; the caches are only touched from that thread.
+are answered while a step runs; the caches are only touched from that thread. The verifier is a
+core `Verifier`, or a `ParallelVerifier` (rank 0 of a tensor/pipeline-parallel group) with the
+same interface.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +20,8 @@ from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_rpc.convert import sampling_from_pb, tree_from_pb
 from specinfer_rpc.server import Abort, rpc_errors
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
+
+from .workers import RankFailed
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -27,7 +33,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
 
     async def _on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        except RankFailed as e:  # a model-parallel rank is gone: answer, then stop so the group restarts whole
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
 
     @rpc_errors
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
