@@ -25,6 +25,7 @@ of the last stage verifies and broadcasts each request's accepted path; every ra
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -225,9 +226,9 @@ class PipelineVerifier(Verifier):
 
 def init_rank(layout: Layout, init_method: str, timeout_s: float, device: torch.device):
     """Join the process group; return this rank's tensor-parallel group."""
-    from datetime import timedelta
-
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL collectives (and object broadcasts) use the current device
     dist.init_process_group(backend, init_method=init_method, rank=layout.rank, world_size=layout.world,
                             timeout=timedelta(seconds=timeout_s))
     groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]  # every rank makes every group
