@@ -158,6 +158,37 @@ def cmd_serve(args) -> int:
     return serve_forever(system)
 
 
+def cmd_loadtest(args) -> int:
+    """A bounded streaming load on a running manager; prints the report as JSON."""
+    import asyncio
+
+    import grpc
+
+    from specinfer_rpc.client import connect
+    from specinfer_rpc.load import run_load
+    from specinfer_rpc.v1 import generation_pb2
+
+    texts = [t for _, t in load_prompts(args)]
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+
+    async def run():
+        stub = connect(args.server)
+        prompts = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,
+                                                       wait_for_ready=True) for t in texts))
+        return await run_load(args.server, [list(p.token_ids) for p in prompts], args.concurrency, args.duration,
+                              args.max_new_tokens, args.speculation, args.max_requests, sampling)
+
+    try:
+        report = asyncio.run(run())
+    except grpc.aio.AioRpcError as e:
+        print(f"specinfer loadtest: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    summary = report.summary()
+    summary["errors_by_code"] = report.errors
+    print(json.dumps(summary))
+    return 1 if report.errors else 0
+
+
 def print_generation(g: Generation, text: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"id": g.id, "token_ids": g.token_ids, "text": text, "steps": g.steps,
@@ -181,6 +212,20 @@ def main(argv: list[str] | None = None) -> int:
 
     add_flags(bench)
     bench.set_defaults(func=cmd_bench)
+    load = sub.add_parser("loadtest", help="bounded streaming load on a running manager: tokens/s, TTFT, ITL")
+    load.add_argument("--server", metavar="HOST:PORT", default="127.0.0.1:50051")
+    src = load.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", default=str(models_dir() / "heldout_prompts.jsonl"),
+                     help="JSONL file, one object per line with 'prompt' (default: the held-out prompts)")
+    load.add_argument("--concurrency", type=int, default=16, help="streams kept open at once")
+    load.add_argument("--duration", type=float, default=30.0, help="seconds to keep starting requests")
+    load.add_argument("--max-requests", type=int, default=None, help="stop after this many requests in all")
+    load.add_argument("--max-new-tokens", type=int, default=64, help="per request (EOS ignored, so every request has this many)")
+    load.add_argument("--speculation", default=None, help="off, an expansion like 2,1,1, or unset: the server's")
+    load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    load.add_argument("--seed", type=int, default=0)
+    load.set_defaults(func=cmd_loadtest)
     srv = sub.add_parser("serve", help="run verifier, speculators and manager as separate processes")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=50051, help="the manager's (public) port")
