@@ -12,10 +12,11 @@ from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, 
 from .conftest import MODELS
 
 
-def reference_greedy(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def reference_greedy(prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
     """The LLM's own incremental greedy decoding (in-process, fp32)."""
     llm = LlamaModel.from_pretrained(MODELS / "llm")
-    gens = Engine(llm, mode=Mode.INCREMENTAL).generate([Request(p, max_new_tokens) for p in prompts])
+    gens = Engine(llm, mode=Mode.INCREMENTAL).generate([Request(p, max_new_tokens, ignore_eos=ignore_eos)
+                                                        for p in prompts])
     return [g.token_ids for g in gens]
 
 

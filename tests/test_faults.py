@@ -90,3 +90,27 @@ def test_a_stopped_verifier_gives_unavailable_promptly_and_service_resumes_when_
     system.restart(verifier)
     streams = generate_all(system.manager.address, [Request(p, 24) for p in heldout_ids[:4]])
     assert [s.token_ids for s in streams] == reference_greedy(heldout_ids[:4], 24)
+
+
+def test_sigterm_drains_streams_and_refuses_new_requests(fresh_system, heldout_ids):
+    """SIGTERM to the manager during 16 streams: every stream completes with all its tokens (the
+    LLM's own), a request sent after the signal is refused, and the manager then exits cleanly."""
+    system, prompts = fresh_system, heldout_ids[:16]
+    manager = system.manager
+
+    async def go():
+        stub = connect(manager.address)
+        calls = [stub.Generate(request_pb(Request(p, 64, ignore_eos=True)), timeout=300) for p in prompts]
+        firsts = await asyncio.gather(*(c.read() for c in calls))  # all streaming
+        manager.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await connect(manager.address).Generate(request_pb(Request(prompts[0], 8)), timeout=10).read()
+        rests = await asyncio.gather(*(read_rest(c) for c in calls))
+        return [list(f.token_ids) + r for f, r in zip(firsts, rests)], refused.value.code()
+
+    outputs, code = asyncio.run(go())
+    assert all(len(o) == 64 for o in outputs), "a stream was truncated"
+    assert outputs == reference_greedy(prompts, 64, ignore_eos=True)
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert manager.process.wait(30) == 0
