@@ -27,6 +27,7 @@ import torch
 from .tree import TokenTree, ancestor_mask
 
 BLOCK_SIZE = 16
+POOL_TOKENS = 65536  # default pool size in token slots
 
 
 class CacheFull(RuntimeError):
@@ -35,7 +36,7 @@ class CacheFull(RuntimeError):
 
 class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", tokens: int = 65536, block_size: int = BLOCK_SIZE):
+                 device: torch.device | str = "cpu", tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE):
         if tokens < block_size:
             raise ValueError(f"kv pool: {tokens} tokens is less than one block of {block_size}")
         self.block_size = block_size

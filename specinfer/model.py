@@ -28,7 +28,7 @@ from torch import nn
 
 from specinfer_kernels import RequestView, TreeBatch, tree_attention
 
-from .kv_cache import BLOCK_SIZE, KVCache, KVPool
+from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 
@@ -240,7 +240,7 @@ class LlamaModel(nn.Module):
         model.inv_freq = rope_inv_freq(cfg)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-    def new_pool(self, tokens: int = 65536, block_size: int = BLOCK_SIZE) -> KVPool:
+    def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE) -> KVPool:
         """A KV pool for this model holding `tokens` token slots (rounded down to whole blocks)."""
         c = self.cfg
         return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, tokens, block_size)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import POOL_TOKENS, KVCache
 from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, request_generator, sparsify
 from .tree import DraftGroup, TokenTree, dfs_order, reorder
@@ -37,7 +37,7 @@ class DraftRequest:
 
 
 class Speculator:
-    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = 65536):
+    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS):
         self.model = model
         self.pool = model.new_pool(kv_tokens)
         self.index = index  # keeps each SSM's random draws independent of the others'

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import POOL_TOKENS, KVCache
 from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, request_generator
 from .tree import TokenTree
@@ -32,7 +32,7 @@ class VerifyRequest:
 
 
 class Verifier:
-    def __init__(self, model: LlamaModel, kv_tokens: int = 65536):
+    def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS):
         self.model = model
         self.pool = model.new_pool(kv_tokens)
         self.caches: dict[str, KVCache] = {}

@@ -35,7 +35,7 @@ from specinfer.tree import TokenTree, ancestor_mask, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 
-from .report import _plt, machine, median_ms
+from .report import _plt, command_line, machine, median_ms
 
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}  # HBM/GDDR peak, vendor figures
 GPU_GRID = dict(prefix=[512, 2048, 8192, 16384], tree=[1, 16, 64, 256], batch=[1, 8, 64])
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     meta = {"machine": machine(), "dtype": str(dtype).removeprefix("torch."), "peak_gbps": peak,
             "model": f"{model_kind} ({n_params / 1e9:.2f}B parameters)", "prompt_len": args.prompt_len,
-            "command": "python -m specinfer_bench.kernel " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+            "command": command_line("python -m specinfer_bench.kernel", argv),
             "note": "" if cuda else ("No GPU: the Triton kernel runs only in Triton's interpreter here, which says "
                                      "nothing about its speed, so it is not timed; the GPU figures remain to be measured.")}
     attention = bench_attention(grid, dtype, device, peak)

@@ -20,12 +20,13 @@ import torch
 from tqdm import tqdm
 
 from specinfer.cli import models_dir, resolve_device
+from specinfer.kv_cache import POOL_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 from verifier_svc.workers import ParallelVerifier
 
-from .report import machine, median_ms
+from .report import command_line, machine, median_ms
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -64,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
         if tp * pp == 1:
             verifier = Verifier(LlamaModel.from_pretrained(args.llm, device=device))
         else:
-            verifier = ParallelVerifier(args.llm, tp, pp, torch.float32, device, 65536, args.threads)
+            verifier = ParallelVerifier(args.llm, tp, pp, torch.float32, device, POOL_TOKENS, args.threads)
         rows.append({"tp": tp, "pp": pp, **measure(verifier, args.prompt_len, args.repeats)})
         if tp * pp > 1:
             verifier.close()
     meta = {"machine": machine(), "threads_per_rank": args.threads, "prompt_len": args.prompt_len, "llm": str(args.llm),
-            "command": "python -m specinfer_bench.parallel " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+            "command": command_line("python -m specinfer_bench.parallel", argv)}
     base = rows[0]
     lines = [f"# Model-parallel verifier step: {meta['machine']}", "", f"Command: `{meta['command']}`", "",
              f"{args.threads} torch thread(s) per rank, prompt {args.prompt_len} tokens, float32, medians of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +19,11 @@ def median_ms(fn, repeats: int) -> float:
         fn()
         times.append(1e3 * (time.perf_counter() - start))
     return statistics.median(times)
+
+
+def command_line(prog: str, argv: list[str] | None) -> str:
+    """The command that ran a benchmark, as recorded beside its results."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
 
 
 def machine() -> str:

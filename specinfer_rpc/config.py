@@ -14,6 +14,8 @@ import sys
 import typing
 from dataclasses import dataclass
 
+from specinfer.kv_cache import POOL_TOKENS
+
 
 def env_name(field: str) -> str:
     return "SPECINFER_" + field.upper()
@@ -73,4 +75,4 @@ class ModelServerConfig(ServerConfig):
     dtype: str = option("float32", "weights and activations: float32, float16, bfloat16, float64")
     device: str = option("auto", "cpu, cuda or cuda:N (auto: cuda when there is a GPU)")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
-    kv_cache_tokens: int = option(65536, "token slots of the paged KV cache pool, preallocated at start")
+    kv_cache_tokens: int = option(POOL_TOKENS, "token slots of the paged KV cache pool, preallocated at start")
