@@ -13,10 +13,14 @@ from tokenizers import Tokenizer
 from specinfer.cli import models_dir
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
+from specinfer_rpc.security import BearerToken, channel_credentials
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
 
-from .clients import SpeculatorClient, VerifierClient
+from . import metrics
+from .clients import VerifierClient
+from .discovery import parse_target
+from .replicas import SpeculatorReplicas
 from .controller import SpeculationController
 from .scheduler import Scheduler
 from .servicer import GenerationServicer
@@ -29,7 +33,12 @@ class ManagerConfig(ServerConfig):
     """The manager service: the public Generation API, continuous batching, tree merge, admission."""
 
     verifier: str = option("127.0.0.1:50053", "verifier address")
-    speculators: list[str] = option([], "speculator addresses, comma-separated (none: incremental decoding)")
+    speculators: list[str] = option([], "speculators, comma-separated, one entry per SSM (merged): host:port, "
+                                        "host:port|host:port|... (replicas of one SSM), or dns://[server]/name:port "
+                                        "(replicas: SRV _grpc._tcp.name, else every A/AAAA address of name); "
+                                        "none: incremental decoding")
+    discovery_interval: float = option(5.0, "seconds between DNS lookups of speculator replicas")
+    auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none")
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
     expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
     tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
@@ -50,11 +59,14 @@ class ManagerConfig(ServerConfig):
 
 async def main(cfg: ManagerConfig) -> None:
     validate_expansion(cfg.expansion)
-    verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes)
+    targets = [parse_target(entry) for entry in cfg.speculators]
+    credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)  # to the verifier and speculators
+    verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes, credentials)
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
-    speculators = [SpeculatorClient(a, i, cfg.speculate_timeout, cfg.max_message_bytes)
-                   for i, a in enumerate(cfg.speculators)]
+    speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials)
+                   for i, t in enumerate(targets)]
+    await asyncio.gather(*(s.refresh() for s in speculators))
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
@@ -63,13 +75,18 @@ async def main(cfg: ManagerConfig) -> None:
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           SpeculationController() if cfg.adaptive and speculators else None,
                           kv_tokens=vinfo.kv_cache_tokens, kv_block_size=max(vinfo.kv_block_size, 1))
+    metrics.RUNNING.set_function(lambda: len(scheduler.running))
+    metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
-    loop = asyncio.create_task(scheduler.run())
+    tasks = [asyncio.create_task(scheduler.run())]
+    tasks += [asyncio.create_task(s.discover(cfg.discovery_interval)) for s in speculators]
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    auth = (BearerToken(cfg.auth_token, f"/{service}/"),) if cfg.auth_token else ()
     try:
-        await serve("manager", cfg, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, service)])
+        await serve("manager", cfg, [(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, service)], auth)
     finally:
-        loop.cancel()
+        for task in tasks:
+            task.cancel()
         log.info("scheduler stats %s", json.dumps(scheduler.stats.summary()))
         await asyncio.gather(verifier.close(), *(c.close() for c in speculators))
 

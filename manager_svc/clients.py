@@ -19,6 +19,7 @@ import grpc
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 from specinfer_rpc.convert import sampling_to_pb, tree_from_pb, tree_to_pb
+from specinfer_rpc.security import open_channel
 from specinfer_rpc.server import channel_options
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -57,10 +58,11 @@ class Check:
 class VerifierClient:
     CONNECT_GRACE = 2.0  # seconds a call waits for a (re)connecting verifier before failing
 
-    def __init__(self, address: str, timeout: float, max_message_bytes: int):
+    def __init__(self, address: str, timeout: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
 
     async def info(self, wait: float) -> verifier_pb2.VerifierInfo:
@@ -111,11 +113,12 @@ class SpeculatorClient:
 
     RETRY_AFTER = 1.0  # seconds before a broken stream is reopened
 
-    def __init__(self, address: str, drafter: int, timeout: float, max_message_bytes: int):
+    def __init__(self, address: str, drafter: int, timeout: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.drafter = drafter  # distinct per speculator: independent random draws
+        self.drafter = drafter  # distinct per SSM (replicas share it): independent random draws
         self.timeout = timeout
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
         self.stub = speculator_pb2_grpc.SpeculatorStub(self.channel)
         self.call = None
         self.iteration = 0
@@ -128,6 +131,11 @@ class SpeculatorClient:
     def connected(self) -> bool:
         return self.call is not None
 
+    @property
+    def usable(self) -> bool:
+        """Not waiting out a broken stream."""
+        return self.call is not None or time.monotonic() >= self.retry_at
+
     def release(self, request_id: str) -> None:
         """Free the request on the speculator with the next message (a draft may be in flight)."""
         self.told.pop(request_id, None)
@@ -137,7 +145,7 @@ class SpeculatorClient:
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         """Trees by request id; empty when the speculator cannot answer now."""
         if self.call is None:
-            if time.monotonic() < self.retry_at:
+            if not self.usable:
                 return {}
             self.call = self.stub.Speculate()
         self.iteration += 1
@@ -152,7 +160,8 @@ class SpeculatorClient:
             if response is grpc.aio.EOF or response.iteration != self.iteration:
                 raise ConnectionError("stream ended or out of step")
             trees = {t.request_id: tree_from_pb(t.tree) for t in response.trees}
-        except (grpc.RpcError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+        except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError,  # a write after the call ended
+                ConnectionError, ValueError) as e:
             self._broken(e)
             return {}
         self.to_release.difference_update(request.release)

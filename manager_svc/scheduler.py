@@ -36,8 +36,10 @@ from specinfer.generate import Request, append_tokens
 from specinfer.tree import TokenTree, fit_expansion, merge, tree_size
 from specinfer_rpc.server import Abort
 
-from .clients import Check, Draft, SpeculatorClient, VerifierClient, VerifierResync, VerifierUnavailable
+from . import metrics
+from .clients import Check, Draft, VerifierClient, VerifierResync, VerifierUnavailable
 from .controller import SpeculationController
+from .replicas import SpeculatorReplicas
 
 log = logging.getLogger("specinfer.manager")
 
@@ -62,6 +64,8 @@ class Sequence:
     resyncs: int = 0
     kv_reserved: int = 0  # verifier KV slots reserved while running
     done: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when accepted
+    last_chunk: float = 0.0  # when its last chunk was produced (0: none yet)
 
     @property
     def id(self) -> str:
@@ -89,7 +93,7 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorClient], eos: set[int],
+    def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorReplicas], eos: set[int],
                  expansion: list[int], tree_budget: int, max_batch: int, max_queue: int,
                  max_prefill_tokens: int, controller: SpeculationController | None = None,
                  kv_tokens: int = 0, kv_block_size: int = 1):
@@ -135,8 +139,9 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
             seq.done = True
+            metrics.FINISHED.labels("cancelled").inc()
         else:
-            self._retire(seq)
+            self._retire(seq, "cancelled")
         self.wake.set()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -188,6 +193,7 @@ class Scheduler:
             return
         if self.controller is not None and steady:
             self.controller.record(len(batch), speculate, sum(map(len, results)), time.perf_counter() - start)
+        now = time.monotonic()
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran; already retired
                 continue
@@ -196,16 +202,24 @@ class Scheduler:
             before = len(s.generated)
             reason = append_tokens(s.generated, s.request, tokens, self.eos)
             emitted = s.generated[before:]
-            s.accepted += len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
+            accepted = len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
+            s.accepted += accepted
+            metrics.record_step(trees.get(s.id, TokenTree()), len(emitted), accepted, first=not before,
+                                since_last=now - (s.last_chunk or s.arrived))
+            s.last_chunk = now
             s.events.put_nowait(Chunk(emitted, reason))
             if reason:
-                self._retire(s)
+                metrics.E2E.observe(now - s.arrived)
+                self._retire(s, reason)
+        draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
+        metrics.BATCH_SIZE.observe(len(batch))
+        metrics.ITERATION.observe(time.perf_counter() - start)
         stats = self.stats
         stats.iterations += 1
         stats.batch_sum += len(batch)
         stats.busy_s += time.perf_counter() - start
         stats.verify_s += step_ns / 1e9
-        stats.draft_s += max((c.draft_ns for c in self.speculators if c.connected), default=0) / 1e9
+        stats.draft_s += draft_ns / 1e9
 
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
@@ -218,6 +232,8 @@ class Scheduler:
                 break  # waits for running requests to free the verifier's KV cache
             seq = self.waiting.popleft()
             self.running[seq.id] = seq
+            metrics.QUEUE.observe(time.monotonic() - seq.arrived)
+            metrics.PROMPT_TOKENS.inc(n)
             seq.kv_reserved = need
             self.kv_reserved += need
             budget -= n
@@ -252,7 +268,9 @@ class Scheduler:
                 merged[d.request_id] = trees[0] if len(trees) == 1 else merge(trees)
         return merged
 
-    def _retire(self, seq: Sequence) -> None:
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""
+        metrics.FINISHED.labels(reason).inc()
         seq.done = True
         self.kv_reserved -= seq.kv_reserved
         seq.kv_reserved = 0
@@ -263,7 +281,7 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, error: Abort) -> None:
         seq.events.put_nowait(error)
-        self._retire(seq)
+        self._retire(seq, "failed")
 
     async def _flush_releases(self) -> None:
         if self.verifier_release:

@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
 
         try:
             gens, texts = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
-                                          remote_speculation(args.mode, args.expansion))
+                                          remote_speculation(args.mode, args.expansion), client_credentials(args))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -149,11 +149,16 @@ def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
     ssms = args.ssm or default_ssms()
+    from specinfer_rpc.security import channel_credentials
+
+    tls = [f"--tls-cert={args.tls_cert}", f"--tls-key={args.tls_key}", f"--tls-ca={args.tls_ca}",
+           "--tls-client-auth" if args.tls_client_auth else "--no-tls-client-auth"]
     system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
                     args.host, args.port, args.dtype, args.manager_arg,
-                    ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg])
+                    ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
+                    credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
     for s in system.services:
-        print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}", file=sys.stderr)
+        print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics}", file=sys.stderr)
     print(f"specinfer serve: ready; the manager (Generation API) listens on {system.manager.address}", flush=True)
     return serve_forever(system)
 
@@ -171,12 +176,14 @@ def cmd_loadtest(args) -> int:
     texts = [t for _, t in load_prompts(args)]
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
 
+    credentials = client_credentials(args)
+
     async def run():
-        stub = connect(args.server)
+        stub = connect(args.server, credentials)
         prompts = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,
                                                        wait_for_ready=True) for t in texts))
         return await run_load(args.server, [list(p.token_ids) for p in prompts], args.concurrency, args.duration,
-                              args.max_new_tokens, args.speculation, args.max_requests, sampling)
+                              args.max_new_tokens, args.speculation, args.max_requests, sampling, credentials)
 
     try:
         report = asyncio.run(run())
@@ -198,6 +205,21 @@ def print_generation(g: Generation, text: str, as_json: bool) -> None:
         print(text)
 
 
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """How to reach a server that serves TLS, mutual TLS or wants a bearer token."""
+    p.add_argument("--tls-ca", default="", help="PEM CA bundle: connect with TLS, verifying the server with it")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, for servers that require one (mutual TLS)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--token", default=os.environ.get("SPECINFER_TOKEN", ""),
+                   help="bearer token for servers started with --auth-token [env SPECINFER_TOKEN]")
+
+
+def client_credentials(args):
+    from specinfer_rpc.security import channel_credentials
+
+    return channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.token)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specinfer", description="Tree-based speculative inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(gen)
     gen.add_argument("--draft-replacement", action="store_true",
                      help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
+    add_client_flags(gen)
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="benchmark against transformers and through the services (specinfer_bench)")
     from specinfer_bench.flags import add_flags
@@ -225,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--speculation", default=None, help="off, an expansion like 2,1,1, or unset: the server's")
     load.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     load.add_argument("--seed", type=int, default=0)
+    add_client_flags(load)
     load.set_defaults(func=cmd_loadtest)
     srv = sub.add_parser("serve", help="run verifier, speculators and manager as separate processes")
     srv.add_argument("--host", default="127.0.0.1")
@@ -237,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="extra flag for the verifier, repeatable (e.g. --verifier-arg=--kv-cache-tokens=131072)")
     srv.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks per pipeline stage")
     srv.add_argument("--pp", type=int, default=1, help="the verifier's pipeline stages (tp * pp processes)")
+    srv.add_argument("--tls-cert", default="", help="PEM certificate every service serves TLS with (and presents to the others)")
+    srv.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    srv.add_argument("--tls-ca", default="", help="PEM CA bundle the services verify each other with")
+    srv.add_argument("--tls-client-auth", action="store_true", help="mutual TLS: every service requires client certificates")
     add_model_flags(srv)
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)

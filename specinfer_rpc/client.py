@@ -12,6 +12,7 @@ from specinfer.generate import Generation, Request
 from specinfer.tree import parse_expansion
 
 from .convert import sampling_to_pb
+from .security import open_channel
 from .server import channel_options
 from .v1 import generation_pb2, generation_pb2_grpc
 
@@ -19,9 +20,10 @@ FINISH_NAMES = {v: k for k, v in {"eos": generation_pb2.FINISH_REASON_EOS, "stop
                                   "length": generation_pb2.FINISH_REASON_LENGTH}.items()}
 
 
-def connect(address: str, max_message_bytes: int = 64 << 20) -> generation_pb2_grpc.GenerationStub:
-    return generation_pb2_grpc.GenerationStub(
-        grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes)))
+def connect(address: str, credentials: grpc.ChannelCredentials | None = None,
+            max_message_bytes: int = 64 << 20) -> generation_pb2_grpc.GenerationStub:
+    """A stub on a new channel: plaintext, or TLS/token with `security.channel_credentials`."""
+    return generation_pb2_grpc.GenerationStub(open_channel(address, credentials, channel_options(max_message_bytes)))
 
 
 def speculation_pb(spec: str | None) -> generation_pb2.Speculation:
@@ -66,21 +68,22 @@ async def generate(stub, request: generation_pb2.GenerateRequest, timeout: float
 
 
 def generate_all(address: str, requests: list[Request], speculation: str | None = None,
-                 timeout: float | None = None) -> list[Streamed]:
+                 timeout: float | None = None, credentials: grpc.ChannelCredentials | None = None) -> list[Streamed]:
     """Send every request concurrently and wait for all the streams (blocking)."""
     async def run():
-        stub = connect(address)
+        stub = connect(address, credentials)
         return await asyncio.gather(*(generate(stub, request_pb(r, speculation), timeout) for r in requests))
     return asyncio.run(run())
 
 
 def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
-                    speculation: str | None) -> tuple[list[Generation], list[str]]:
+                    speculation: str | None, credentials: grpc.ChannelCredentials | None = None
+                    ) -> tuple[list[Generation], list[str]]:
     """`specinfer generate --server`: tokenize on the server, send every prompt concurrently,
     detokenize on the server. Raises RuntimeError with the server's status on failure."""
 
     async def run():
-        stub = connect(address)
+        stub = connect(address, credentials)
         try:
             # wait_for_ready: the server may still be starting (e.g. `specinfer serve &` just before)
             prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,

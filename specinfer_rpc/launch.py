@@ -26,12 +26,14 @@ class Service:
     args: list[str]
     process: subprocess.Popen | None = None
     address: str = ""
+    metrics: str = ""  # its /metrics URL, when it serves one
 
 
 @dataclass
 class System:
     services: list[Service] = field(default_factory=list)
     log_dir: Path | None = None  # each service's stderr to <log_dir>/<name>.log (default: inherited)
+    credentials: grpc.ChannelCredentials | None = None  # for the health checks, when the services serve TLS
 
     @property
     def manager(self) -> Service:
@@ -66,6 +68,8 @@ class System:
             log.close()  # the child has its own copy
         address = ""
         for line in proc.stdout:  # the service prints nothing else on stdout; EOF if it dies
+            if " metrics on " in line:
+                service.metrics = line.split(" metrics on ")[1].strip()
             if " listening on " in line:
                 address = line.split(" listening on ")[1].strip()
                 break
@@ -73,7 +77,7 @@ class System:
             self.stop()
             raise RuntimeError(f"{service.name} did not start (exit code {proc.wait()})")
         service.address = address
-        wait_healthy(address, timeout)
+        wait_healthy(address, timeout, self.credentials)
 
     def stop(self, grace: float = 30.0) -> None:
         for s in reversed(self.services):
@@ -88,8 +92,8 @@ class System:
                 s.process.wait()
 
 
-def wait_healthy(address: str, timeout: float) -> None:
-    with grpc.insecure_channel(address) as channel:
+def wait_healthy(address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+    with (grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         deadline = time.monotonic() + timeout
         while True:
@@ -106,17 +110,20 @@ def wait_healthy(address: str, timeout: float) -> None:
 
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
            dtype: str = "float32", manager_args: list[str] = (), verifier_args: list[str] = (),
-           timeout: float = 120.0, log_dir: Path | None = None) -> System:
-    """Start the whole system; speculator i hosts ssms[i % len(ssms)]."""
-    system = System(log_dir=log_dir)
+           timeout: float = 120.0, log_dir: Path | None = None, service_args: list[str] = (),
+           credentials: grpc.ChannelCredentials | None = None) -> System:
+    """Start the whole system; speculator i hosts ssms[i % len(ssms)]. `service_args` go to every
+    service (e.g. TLS flags; then `credentials` are what the health checks connect with)."""
+    system = System(log_dir=log_dir, credentials=credentials)
     try:
-        common = ["--host", host, "--port", "0", "--dtype", dtype]
+        common = ["--host", host, "--port", "0", "--dtype", dtype, "--metrics-port", "0", *service_args]
         verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *verifier_args], timeout)
         specs = [system.start(f"speculator-{i}", "speculator_svc",
                               ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common], timeout)
                  for i in range(speculators if ssms else 0)]
         system.start("manager", "manager_svc",
-                     ["--host", host, "--port", str(port), "--verifier", verifier.address, "--tokenizer", str(llm),
+                     ["--host", host, "--port", str(port), "--metrics-port", "0", *service_args,
+                      "--verifier", verifier.address, "--tokenizer", str(llm),
                       "--speculators", ",".join(s.address for s in specs), *manager_args], timeout)
     except BaseException:
         system.stop()

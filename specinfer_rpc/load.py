@@ -46,10 +46,11 @@ class LoadReport:
 
 async def run_load(address: str, prompts: list[list[int]], concurrency: int, duration: float,
                    max_new_tokens: int = 64, speculation: str | None = None, max_requests: int | None = None,
-                   sampling: SamplingParams = SamplingParams()) -> LoadReport:
+                   sampling: SamplingParams = SamplingParams(),
+                   credentials: grpc.ChannelCredentials | None = None) -> LoadReport:
     """Workers take prompts round-robin; stop starting requests after `duration` s (or
     `max_requests` in all) and wait for the running ones to finish."""
-    stub = connect(address)
+    stub = connect(address, credentials)
     report = LoadReport(concurrency, 0.0)
     start = time.perf_counter()
     counter = iter(range(10**9))

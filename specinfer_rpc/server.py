@@ -20,6 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from specinfer.kv_cache import CacheFull
 
 from .config import ServerConfig
+from .metrics import serve_metrics
+from .security import server_credentials
 
 log = logging.getLogger("specinfer")
 
@@ -77,20 +79,31 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000)]
+            ("grpc.keepalive_timeout_ms", 5_000),
+            # a server accepts its peers' keepalive pings on long quiet streams (an idle speculator
+            # stream) instead of answering GOAWAY too_many_pings
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_ping_strikes", 0)]
 
 
-async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, object, str]]) -> None:
-    """Run `services` ((add_to_server, servicer, full service name) triples) on cfg.host:cfg.port
-    until SIGTERM or SIGINT, then stop gracefully."""
-    server = grpc.aio.server(options=channel_options(cfg.max_message_bytes))
+async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, object, str]],
+                interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> None:
+    """Run `services` ((add_to_server, servicer, full service name) triples) on cfg.host:cfg.port,
+    TLS when cfg has a certificate, and /metrics on cfg.metrics_port, until SIGTERM or SIGINT,
+    then stop gracefully."""
+    credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth)
+    server = grpc.aio.server(options=channel_options(cfg.max_message_bytes), interceptors=interceptors)
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [full for _, _, full in services]
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.host}:{cfg.port}"
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    metrics = serve_metrics(cfg.host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
+    if metrics is not None:  # printed before "listening": whoever waits for that line has both
+        print(f"{name} metrics on http://{cfg.host}:{metrics.server_port}/metrics", flush=True)
     await server.start()
     for service in names + [""]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -104,9 +117,16 @@ async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, obj
     print(f"{name} stopping (grace {cfg.grace}s)", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(cfg.grace)
+    if metrics is not None:
+        metrics.shutdown()
 
 
 def run(main) -> None:
-    """Run a service's async main on uvloop."""
+    """Run a service's async main on uvloop; a bad setting (ValueError naming it) ends it with
+    that message and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvloop.run(main)
+    try:
+        uvloop.run(main)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -13,11 +13,19 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree, merge, validate_expansion
 from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
+from specinfer_rpc.metrics import LATENCY_BUCKETS
 from specinfer_rpc.server import rpc_errors
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
+
+TREE_SECONDS = Histogram("specinfer_speculator_tree_seconds", "building one batch of draft trees (all SSMs, merged)",
+                         buckets=LATENCY_BUCKETS)
+TREES = Counter("specinfer_speculator_trees", "draft trees built (one per request per iteration)")
+REQUESTS = Gauge("specinfer_speculator_requests", "requests with SSM state here")
 
 class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
     def __init__(self, speculators: list[Speculator], model_names: list[str]):
@@ -26,6 +34,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="speculator")
         self.streams = itertools.count()
         self.keys: set[str] = set()  # every request with state, over all streams (worker thread only)
+        REQUESTS.set_function(lambda: len(self.keys))
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -39,6 +48,9 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                 batch = [self._draft_request(prefix, u) for u in request.updates]
                 releases = [prefix + r for r in request.release]
                 trees = await self._on_worker(self._draft, releases, batch)
+                if batch:
+                    TREE_SECONDS.observe((time.perf_counter_ns() - start) / 1e9)
+                    TREES.inc(len(batch))
                 yield speculator_pb2.SpeculateResponse(
                     iteration=request.iteration, draft_ns=time.perf_counter_ns() - start,
                     trees=[speculator_pb2.DraftTree(request_id=u.request_id, tree=tree_to_pb(t))

@@ -15,13 +15,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from prometheus_client import Gauge, Histogram
 
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_rpc.convert import sampling_from_pb, tree_from_pb
+from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.server import Abort, rpc_errors
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 from .workers import RankFailed
+
+STEP_SECONDS = Histogram("specinfer_verifier_step_seconds", "one batched verify step (tree decoding, "
+                         "verification, KV commit)", buckets=LATENCY_BUCKETS)
+STEP_TOKENS = Histogram("specinfer_verifier_step_tokens", "tokens through the LLM in one step (new tokens + tree nodes)",
+                        buckets=SIZE_BUCKETS + (512, 1024, 2048, 4096, 8192))
+REQUESTS = Gauge("specinfer_verifier_requests", "requests with a KV cache here")
+KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool")
+KV_TOTAL = Gauge("specinfer_kv_cache_tokens", "token slots in the paged KV cache pool")
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -31,6 +41,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.idle_timeout = idle_timeout  # a request untouched this long is freed (its manager is gone)
         self.last_used: dict[str, float] = {}
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
+        pool = verifier.pool
+        REQUESTS.set_function(lambda: len(self.verifier.caches))
+        KV_FREE.set_function(lambda: len(pool.free) * pool.block_size)
+        KV_TOTAL.set(pool.n_blocks * pool.block_size)
 
     async def _on_worker(self, fn, *args):
         try:
@@ -51,10 +65,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         lengths = [item.record_length for item in request.items]
         start = time.perf_counter_ns()
         verdicts = await self._on_worker(self._step, list(request.release), batch, lengths)
+        step_ns = time.perf_counter_ns() - start
+        STEP_SECONDS.observe(step_ns / 1e9)
+        STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
         return verifier_pb2.VerifyResponse(
             results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens)
                      for r, v in zip(batch, verdicts)],
-            step_ns=time.perf_counter_ns() - start)
+            step_ns=step_ns)
 
     def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
         now = time.monotonic()

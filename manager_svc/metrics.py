@@ -1,0 +1,62 @@
+"""The manager's Prometheus metrics (served on --metrics-port by specinfer_rpc.server).
+
+Latencies are measured where tokens are produced (the scheduler), from the moment a request is
+accepted. Inter-token latency is per token, as in the load client: a chunk of n tokens that comes
+dt after the previous one counts as n tokens at dt / n each, so speculation's multi-token chunks
+are not mistaken for stalls. Draft and accepted tokens are also counted per tree depth: accepted
+at depth d means the accepted path reached depth d, so a depth's acceptance rate is
+accepted{depth=d} / draft{depth=d}. The verifier's step time and the speculators' tree time are
+on their own services' /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from specinfer.tree import TokenTree
+from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
+
+RUNNING = Gauge("specinfer_requests_running", "requests in the running batch")
+WAITING = Gauge("specinfer_requests_waiting", "requests accepted and waiting for admission")
+TTFT = Histogram("specinfer_time_to_first_token_seconds", "from acceptance to the first token",
+                 buckets=LATENCY_BUCKETS)
+ITL = Histogram("specinfer_inter_token_latency_seconds", "per generated token after the first chunk",
+                buckets=LATENCY_BUCKETS)
+E2E = Histogram("specinfer_request_latency_seconds", "from acceptance to the last token", buckets=LATENCY_BUCKETS)
+QUEUE = Histogram("specinfer_request_queue_seconds", "from acceptance to admission into the batch",
+                  buckets=LATENCY_BUCKETS)
+PROMPT_TOKENS = Counter("specinfer_prompt_tokens", "prompt tokens of admitted requests")
+GENERATION_TOKENS = Counter("specinfer_generation_tokens", "tokens streamed to clients")
+FINISHED = Counter("specinfer_requests_finished", "requests ended, by reason (eos, stop, length, cancelled, failed)",
+                   ["reason"])
+DRAFT_TOKENS = Counter("specinfer_draft_tokens", "draft tree nodes sent to the verifier, by tree depth", ["depth"])
+ACCEPTED_TOKENS = Counter("specinfer_accepted_tokens", "draft tokens accepted, by tree depth", ["depth"])
+TOKENS_PER_STEP = Histogram("specinfer_tokens_per_step", "tokens a request gets from one verifier step "
+                            "(mean tokens per step = sum / count)", buckets=SIZE_BUCKETS)
+BATCH_SIZE = Histogram("specinfer_batch_size", "requests per verifier step", buckets=SIZE_BUCKETS)
+ITERATION = Histogram("specinfer_iteration_seconds", "one scheduler iteration (draft + verify + stream)",
+                      buckets=LATENCY_BUCKETS)
+
+
+def depths(tree: TokenTree) -> list[int]:
+    """Depth of every node (1 for a child of the root); parents precede children."""
+    out: list[int] = []
+    for p in tree.parents:
+        out.append(out[p] + 1 if p >= 0 else 1)
+    return out
+
+
+def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float) -> None:
+    """One request's step: the tree it verified, the tokens streamed, how many were drafts, and
+    the time since its previous chunk (since acceptance for the first)."""
+    for d in depths(tree):
+        DRAFT_TOKENS.labels(str(d)).inc()
+    for d in range(1, accepted + 1):
+        ACCEPTED_TOKENS.labels(str(d)).inc()
+    TOKENS_PER_STEP.observe(emitted)
+    GENERATION_TOKENS.inc(emitted)
+    if first:
+        TTFT.observe(since_last)
+    elif emitted:
+        for _ in range(emitted):
+            ITL.observe(since_last / emitted)

@@ -1,0 +1,97 @@
+"""Prometheus /metrics on every service: after real requests, the scraped figures agree with what
+the clients were streamed (token counts, steps, accepted drafts, finish reasons)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specinfer.generate import Request
+from specinfer_rpc.client import generate_all
+from specinfer_rpc.launch import launch
+
+from .conftest import MODELS
+
+
+def scrape(url: str) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted label pairs: value}."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def total(samples: dict[str, dict[tuple, float]], name: str, **labels) -> float:
+    """Sum of `name`'s samples whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for k, v in samples.get(name, {}).items() if want <= set(k))
+
+
+@pytest.fixture(scope="module")
+def system():
+    system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0)
+    yield system
+    system.stop()
+
+
+def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_ids):
+    urls = {s.name: s.metrics for s in system.services}
+    assert all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics") for u in urls.values()), urls
+
+    requests = [Request(p, 40, ignore_eos=i % 2 == 0) for i, p in enumerate(heldout_ids[:8])]
+    streams = generate_all(system.manager.address, requests)
+    streams += generate_all(system.manager.address, [Request(heldout_ids[8], 12)], "off")
+    requests.append(Request(heldout_ids[8], 12))
+    with pytest.raises(grpc.RpcError):  # refused before it was accepted: counted nowhere
+        generate_all(system.manager.address, [Request([], 4)])
+
+    m = scrape(urls["manager"])
+    completion = sum(s.usage.completion_tokens for s in streams)
+    steps = sum(s.usage.verifier_steps for s in streams)
+    accepted = sum(s.usage.accepted_draft_tokens for s in streams)
+    n = len(streams)
+    assert total(m, "specinfer_generation_tokens_total") == completion == sum(len(s.token_ids) for s in streams)
+    assert total(m, "specinfer_prompt_tokens_total") == sum(len(r.prompt) for r in requests)
+    for reason in ("eos", "length"):
+        assert total(m, "specinfer_requests_finished_total", reason=reason) == \
+            sum(s.finish_reason == reason for s in streams), reason
+    assert total(m, "specinfer_requests_finished_total") == n
+    assert total(m, "specinfer_requests_running") == 0 and total(m, "specinfer_requests_waiting") == 0
+
+    # one observation per request, one per request-step, one per token after the first chunk
+    for name in ("specinfer_time_to_first_token_seconds", "specinfer_request_latency_seconds",
+                 "specinfer_request_queue_seconds"):
+        assert total(m, name + "_count") == n, name
+    assert total(m, "specinfer_tokens_per_step_count") == steps
+    assert total(m, "specinfer_tokens_per_step_sum") == completion  # mean tokens per step = sum / count
+    assert total(m, "specinfer_batch_size_sum") == steps
+    assert total(m, "specinfer_inter_token_latency_seconds_count") == completion - sum(s.chunk_sizes[0] for s in streams)
+    assert 0 < total(m, "specinfer_time_to_first_token_seconds_sum") < total(m, "specinfer_request_latency_seconds_sum")
+
+    # drafts and acceptance per depth: the depths' sum is the clients' accepted count, acceptance
+    # falls with depth (accepted at depth d means it reached d-1 too), never more than drafted
+    assert total(m, "specinfer_accepted_tokens_total") == accepted > 0
+    depth_accepted = {int(dict(k)["depth"]): v for k, v in m["specinfer_accepted_tokens_total"].items()}
+    depth_drafted = {int(dict(k)["depth"]): v for k, v in m["specinfer_draft_tokens_total"].items()}
+    assert sorted(depth_accepted) == list(range(1, len(depth_accepted) + 1))
+    assert all(depth_accepted[d] >= depth_accepted[d + 1] for d in range(1, len(depth_accepted)))
+    assert all(depth_accepted[d] <= depth_drafted[d] for d in depth_accepted)
+    assert total(m, "specinfer_draft_tokens_total") > accepted
+
+    # the verifier's own step time: one step per manager iteration; the speculators' tree time
+    v = scrape(urls["verifier"])
+    iterations = total(m, "specinfer_batch_size_count")
+    assert total(v, "specinfer_verifier_step_seconds_count") == iterations > 0
+    assert total(v, "specinfer_verifier_step_seconds_sum") > 0
+    assert total(v, "specinfer_verifier_requests") == 0
+    assert total(v, "specinfer_kv_cache_free_tokens") == total(v, "specinfer_kv_cache_tokens") > 0
+    for name in ("speculator-0", "speculator-1"):
+        sp = scrape(urls[name])
+        assert 0 < total(sp, "specinfer_speculator_tree_seconds_count") <= iterations, name
+        assert total(sp, "specinfer_speculator_trees_total") >= total(sp, "specinfer_speculator_tree_seconds_count")
+        assert total(sp, "process_resident_memory_bytes") > 0

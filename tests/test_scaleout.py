@@ -1,0 +1,95 @@
+"""Speculator scale-out: replicas of one SSM behind one DNS name (SRV records served by a test DNS
+server on 127.0.0.1, as a Kubernetes headless Service publishes them). Requests are spread over
+every replica; a replica killed mid-load loses nothing; a replica that appears is used."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import pytest
+
+from specinfer.generate import Request
+from specinfer_rpc.client import generate_all
+from specinfer_rpc.launch import System
+
+from .conftest import MODELS
+from .dns_server import DNSServer
+from .services import reference_greedy
+from .test_metrics import scrape, total
+
+NAME = "speculator.specinfer.test"
+
+
+def trees_built(service) -> float:
+    return total(scrape(service.metrics), "specinfer_speculator_trees_total")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    dns = DNSServer()
+    system = System()
+    try:
+        system.start("verifier", "verifier_svc", ["--model", str(MODELS / "llm"), "--port", "0"], 120)
+        for i in range(3):
+            start_replica(system, dns, i)
+        system.start("manager", "manager_svc",
+                     ["--port", "0", "--verifier", system.by_name("verifier").address,
+                      "--tokenizer", str(MODELS / "llm"), "--speculators", f"dns://{dns.address}/{NAME}:50052",
+                      "--discovery-interval", "0.5", "--expansion", "2,1,1", "--no-adaptive", "--tree-budget", "256"], 120)
+        yield system, dns
+    finally:
+        system.stop()
+        dns.close()
+
+
+def replicas(system) -> list:
+    return [s for s in system.services if s.name.startswith("replica-")]
+
+
+def publish(dns, live) -> None:
+    dns.set(f"_grpc._tcp.{NAME}", "SRV", [f"0 0 {s.address.rsplit(':', 1)[1]} pod.{NAME}." for s in live])
+    dns.set(f"pod.{NAME}", "A", ["127.0.0.1"])
+
+
+def start_replica(system, dns, i: int):
+    system.start(f"replica-{i}", "speculator_svc", ["--ssm", str(MODELS / "ssm-0"), "--port", "0", "--threads", "1",
+                                                    "--metrics-port", "0"], 120)
+    publish(dns, [s for s in replicas(system) if s.process.poll() is None])
+
+
+def test_requests_are_spread_over_every_replica(cluster, heldout_ids):
+    system, _ = cluster
+    prompts = heldout_ids[:12]
+    streams = generate_all(system.manager.address, [Request(p, 32) for p in prompts], timeout=300)
+    assert [s.token_ids for s in streams] == reference_greedy(prompts, 32)
+    built = [trees_built(s) for s in replicas(system)]
+    assert all(b > 0 for b in built), built  # 12 sticky requests, the least loaded replica first: 4 each
+    assert sum(s.usage.accepted_draft_tokens for s in streams) > 0
+
+
+def test_a_replica_killed_mid_load_loses_nothing_and_a_new_one_is_used(cluster, heldout_ids):
+    system, dns = cluster
+    prompts = heldout_ids[:12]
+    want = reference_greedy(prompts, 64)
+    victim, *survivors = replicas(system)
+    before = {s.name: trees_built(s) for s in survivors}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(generate_all, system.manager.address, [Request(p, 64) for p in prompts], None, 300)
+        deadline = time.monotonic() + 60
+        while trees_built(victim) < 12 and time.monotonic() < deadline:  # mid-load: it is drafting for them
+            time.sleep(0.05)
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait(10)
+        streams = future.result(timeout=300)
+    assert [s.token_ids for s in streams] == want  # nothing lost, nothing changed
+    assert all(trees_built(s) > before[s.name] for s in survivors)  # the victim's requests moved to them
+    publish(dns, survivors)  # the pod left the endpoints
+
+    start_replica(system, dns, 3)  # a replica appears
+    newcomer = system.by_name("replica-3")
+    time.sleep(1.5)  # three discovery intervals
+    streams = generate_all(system.manager.address, [Request(p, 24) for p in prompts[:9]], timeout=300)
+    assert [s.token_ids for s in streams] == reference_greedy(prompts[:9], 24)
+    assert trees_built(newcomer) > 0
