@@ -44,6 +44,8 @@ class ManagerConfig(ServerConfig):
     tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
     adaptive: bool = option(True, "turn the server's trees off at batch sizes where throughput is measured "
                                   "to be better without them")
+    kv_cache_share: float = option(1.0, "fraction of the verifier's KV cache this manager may reserve "
+                                        "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")
     max_queue: int = option(256, "requests waiting beyond the batch; past it RESOURCE_EXHAUSTED")
     max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
@@ -59,6 +61,8 @@ class ManagerConfig(ServerConfig):
 
 async def main(cfg: ManagerConfig) -> None:
     validate_expansion(cfg.expansion)
+    if not 0 < cfg.kv_cache_share <= 1:
+        raise ValueError(f"kv_cache_share: must be in (0, 1], got {cfg.kv_cache_share}")
     targets = [parse_target(entry) for entry in cfg.speculators]
     credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)  # to the verifier and speculators
     verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes, credentials)
@@ -74,7 +78,8 @@ async def main(cfg: ManagerConfig) -> None:
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           SpeculationController() if cfg.adaptive and speculators else None,
-                          kv_tokens=vinfo.kv_cache_tokens, kv_block_size=max(vinfo.kv_block_size, 1))
+                          kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
+                          kv_block_size=max(vinfo.kv_block_size, 1))
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)

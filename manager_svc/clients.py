@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -56,6 +57,9 @@ class Check:
 
 
 class VerifierClient:
+    """Request ids on the verifier are this manager's own (a random prefix), so several managers
+    can share one verifier even when their clients choose the same ids."""
+
     CONNECT_GRACE = 2.0  # seconds a call waits for a (re)connecting verifier before failing
 
     def __init__(self, address: str, timeout: float, max_message_bytes: int,
@@ -64,6 +68,7 @@ class VerifierClient:
         self.timeout = timeout
         self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+        self.namespace = uuid.uuid4().hex[:12] + "/"
 
     async def info(self, wait: float) -> verifier_pb2.VerifierInfo:
         """The verifier's model info, waiting up to `wait` seconds for it to come up."""
@@ -72,8 +77,8 @@ class VerifierClient:
     async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int]:
         """Accepted tokens per request, and the verifier's step time in ns."""
         request = verifier_pb2.VerifyRequest(
-            release=release,
-            items=[verifier_pb2.VerifyItem(request_id=c.request_id, new_token_ids=c.new_tokens,
+            release=[self.namespace + rid for rid in release],
+            items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
                                            sampling=sampling_to_pb(c.sampling)) for c in batch])
         await self._connected()
@@ -100,7 +105,8 @@ class VerifierClient:
 
     async def release(self, request_ids: list[str]) -> None:
         try:
-            await self.stub.Release(verifier_pb2.ReleaseRequest(request_ids=request_ids), timeout=self.timeout)
+            await self.stub.Release(verifier_pb2.ReleaseRequest(request_ids=[self.namespace + r for r in request_ids]),
+                                    timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
 

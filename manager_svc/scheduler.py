@@ -106,7 +106,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.max_prefill_tokens = max_prefill_tokens
         self.controller = controller  # None: always use the server's trees (within the budget)
-        self.kv_tokens = kv_tokens  # the verifier's KV pool in token slots (0: not limited)
+        self.kv_tokens = kv_tokens  # verifier KV slots this manager may reserve (0: not limited)
         self.kv_block_size = kv_block_size
         self.kv_reserved = 0
         self.waiting: deque[Sequence] = deque()
@@ -127,7 +127,7 @@ class Scheduler:
         if self.kv_tokens and self._kv_need(seq) > self.kv_tokens:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt)}) + max_new_tokens "
                              f"({request.max_new_tokens}) + draft tree need {self._kv_need(seq)} KV slots; "
-                             f"the verifier has {self.kv_tokens}")
+                             f"this manager may reserve {self.kv_tokens} of the verifier's")
         self.waiting.append(seq)
         self.wake.set()
         return seq

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .healthcheck import check
 
 
 @dataclass
@@ -93,19 +94,16 @@ class System:
 
 
 def wait_healthy(address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
-    with (grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2, wait_for_ready=True).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{address} not healthy after {timeout}s")
-            time.sleep(0.2)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check(address, timeout=2, credentials=credentials) == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{address} not healthy after {timeout}s")
+        time.sleep(0.2)
 
 
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,

@@ -501,6 +501,9 @@ def test_autoscalers_scale_existing_deployments_on_cpu_they_request(manifests):
         # CPU utilization is measured against the request: without one the HPA cannot scale
         assert "cpu" in k8s_container(deployments[ref["name"]])["resources"]["requests"], name
         assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"], name
+    # managers share one verifier's KV cache: together they may never reserve more than all of it
+    env = {e["name"]: e.get("value") for e in k8s_container(deployments["manager"]).get("env", [])}
+    assert hpas["manager"]["spec"]["maxReplicas"] * float(env["SPECINFER_KV_CACHE_SHARE"]) <= 1
 
 
 # ---------------------------------------------------------------- healthcheck

@@ -1,6 +1,7 @@
 """Speculator scale-out: replicas of one SSM behind one DNS name (SRV records served by a test DNS
 server on 127.0.0.1, as a Kubernetes headless Service publishes them). Requests are spread over
-every replica; a replica killed mid-load loses nothing; a replica that appears is used."""
+every replica; a replica killed mid-load loses nothing; a replica that appears is used. And
+managers: two on one verifier share its KV cache and keep their request ids apart."""
 
 from __future__ import annotations
 
@@ -93,3 +94,25 @@ def test_a_replica_killed_mid_load_loses_nothing_and_a_new_one_is_used(cluster, 
     streams = generate_all(system.manager.address, [Request(p, 24) for p in prompts[:9]], timeout=300)
     assert [s.token_ids for s in streams] == reference_greedy(prompts[:9], 24)
     assert trees_built(newcomer) > 0
+
+
+def test_two_managers_share_one_verifier_with_the_same_request_ids(heldout_ids):
+    """Manager scale-out: each reserves half of a small verifier KV pool, and their verifier ids
+    are their own. Both get the same client request ids at once; every output is exact."""
+    prompts, new = heldout_ids[:4], 64
+    need = max(-(-(len(p) + new) // 16) * 16 for p in prompts)
+    system = System()
+    try:
+        verifier = system.start("verifier", "verifier_svc", ["--model", str(MODELS / "llm"), "--port", "0",
+                                                             "--kv-cache-tokens", str(2 * need)], 120)
+        managers = [system.start(f"manager-{i}", "manager_svc",
+                                 ["--port", "0", "--verifier", verifier.address, "--tokenizer", str(MODELS / "llm"),
+                                  "--kv-cache-share", "0.5"], 120) for i in range(2)]
+        requests = [Request(p, new, id=f"req-{i}") for i, p in enumerate(prompts)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda m: generate_all(m.address, requests, timeout=300), managers))
+        want = reference_greedy(prompts, new)
+        for streams in results:
+            assert [s.token_ids for s in streams] == want
+    finally:
+        system.stop()

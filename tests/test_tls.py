@@ -3,6 +3,7 @@ openssl: the right client is served, every wrong one is refused."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -122,3 +123,13 @@ def test_a_tls_flag_without_its_partner_is_refused_at_start_naming_it(pki):
     out = subprocess.run([sys.executable, "-m", "speculator_svc", "--port", "0", f"--tls-cert={pki / 'service.pem'}"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "error: tls_key: needed with tls_cert" in out.stderr
+
+
+def test_container_healthcheck_takes_the_services_tls_settings_from_the_environment(mtls_system, pki):
+    address = mtls_system.by_name("verifier").address
+    env = {**os.environ, "SPECINFER_TLS_CA": str(pki / "ca.pem"), "SPECINFER_TLS_CERT": str(pki / "service.pem"),
+           "SPECINFER_TLS_KEY": str(pki / "service.key")}
+    check = [sys.executable, "-m", "specinfer_rpc.healthcheck", address]
+    assert subprocess.run(check, env=env, capture_output=True, timeout=60).returncode == 0
+    plain = {k: v for k, v in env.items() if not k.startswith("SPECINFER_TLS_")}
+    assert subprocess.run(check, env=plain, capture_output=True, timeout=60).returncode == 1
