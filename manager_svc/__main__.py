@@ -38,7 +38,8 @@ class ManagerConfig(ServerConfig):
                                         "(replicas: SRV _grpc._tcp.name, else every A/AAAA address of name); "
                                         "none: incremental decoding")
     discovery_interval: float = option(5.0, "seconds between DNS lookups of speculator replicas")
-    auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none")
+    auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none",
+                             repr=False)  # never printed with the configuration
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
     expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
     tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
