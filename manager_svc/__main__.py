@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +62,14 @@ class ManagerConfig(ServerConfig):
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
 
+def stop_if_scheduler_ends(task: asyncio.Task) -> None:
+    """The scheduler loop runs until shutdown; if it ends otherwise no stream would ever get a
+    token again, so stop the manager (it drains, exits and is restarted) instead of serving nothing."""
+    if not task.cancelled():
+        log.critical("the scheduler loop ended: %r; stopping", task.exception())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def main(cfg: ManagerConfig) -> None:
     validate_expansion(cfg.expansion)
     if not 0 < cfg.kv_cache_share <= 1:
@@ -85,6 +95,7 @@ async def main(cfg: ManagerConfig) -> None:
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
     tasks = [asyncio.create_task(scheduler.run())]
+    tasks[0].add_done_callback(stop_if_scheduler_ends)
     tasks += [asyncio.create_task(s.discover(cfg.discovery_interval)) for s in speculators]
     service = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     auth = (BearerToken(cfg.auth_token, f"/{service}/"),) if cfg.auth_token else ()

@@ -120,11 +120,14 @@ class SpeculatorClient:
     RETRY_AFTER = 1.0  # seconds before a broken stream is reopened
 
     def __init__(self, address: str, drafter: int, timeout: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
         self.address = address
         self.drafter = drafter  # distinct per SSM (replicas share it): independent random draws
         self.timeout = timeout
-        self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
+        # a replica found by DNS is dialled by IP: its certificate is checked against the DNS name
+        names = [("grpc.ssl_target_name_override", server_name)] if server_name and credentials else []
+        self.channel = open_channel(address, credentials, channel_options(max_message_bytes) + names)
+        self.exchange = asyncio.Lock()  # one message and its answer at a time; close() waits for it
         self.stub = speculator_pb2_grpc.SpeculatorStub(self.channel)
         self.call = None
         self.iteration = 0
@@ -150,6 +153,10 @@ class SpeculatorClient:
 
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         """Trees by request id; empty when the speculator cannot answer now."""
+        async with self.exchange:
+            return await self._draft(drafts)
+
+    async def _draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         if self.call is None:
             if not self.usable:
                 return {}
@@ -192,6 +199,8 @@ class SpeculatorClient:
             await self.draft([])
 
     async def close(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-        await self.channel.close()
+        async with self.exchange:  # cancelling a call mid-exchange would raise CancelledError in draft()
+            if self.call is not None:
+                self.call.cancel()
+                self.call = None
+            await self.channel.close()

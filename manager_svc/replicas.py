@@ -55,8 +55,8 @@ class SpeculatorReplicas:
         for address in addresses:
             if address not in self.replicas:
                 log.info("speculator replica %s joins (drafter %d)", address, self.drafter)
-                self.replicas[address] = SpeculatorClient(address, self.drafter, self.timeout,
-                                                          self.max_message_bytes, self.credentials)
+                self.replicas[address] = SpeculatorClient(address, self.drafter, self.timeout, self.max_message_bytes,
+                                                          self.credentials, self.target.name)
         for address in set(self.replicas) - set(addresses):
             log.info("speculator replica %s leaves", address)
             gone = self.replicas.pop(address)
@@ -67,7 +67,10 @@ class SpeculatorReplicas:
         """Refresh every `interval` seconds, forever (a static list needs no refresh)."""
         while self.target.dynamic:
             await asyncio.sleep(interval)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # a bad answer must not end discovery
+                log.exception("speculators %s: refresh failed", self.target)
 
     def _replica_for(self, request_id: str) -> SpeculatorClient | None:
         current = self.assigned.get(request_id)

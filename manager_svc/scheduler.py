@@ -167,6 +167,10 @@ class Scheduler:
         steady = all(s.verifier_has for s in batch)
         speculate = self.controller is None or self.controller.speculate(len(batch))
         trees = await self._draft(batch, speculate)
+        for s in batch:
+            if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
+                for c in self.speculators:
+                    c.release(s.id)
         batch = [s for s in batch if not s.done]  # cancelled while drafting: released below
         if not batch:
             return
@@ -270,6 +274,8 @@ class Scheduler:
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""
+        if seq.done:  # e.g. cancelled while the step that then failed was running
+            return
         metrics.FINISHED.labels(reason).inc()
         seq.done = True
         self.kv_reserved -= seq.kv_reserved

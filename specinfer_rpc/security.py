@@ -41,10 +41,10 @@ def server_credentials(cert: str, key: str, ca: str, client_auth: bool) -> grpc.
 
 
 def channel_credentials(ca: str, cert: str = "", key: str = "", token: str = "") -> grpc.ChannelCredentials | None:
-    """None: plaintext. With a CA: TLS verified by it (and the client certificate, if given); with
-    a token: the token on every call."""
-    if ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=_read(ca, "tls_ca"),
+    """None: plaintext. With a CA or a certificate: TLS, verified by the CA (the system's roots
+    without one), presenting the certificate if given; with a token: the token on every call."""
+    if ca or cert:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(ca, "tls_ca") if ca else None,
                                              private_key=_read(key, "tls_key") if cert else None,
                                              certificate_chain=_read(cert, "tls_cert") if cert else None)
     elif token:

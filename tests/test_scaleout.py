@@ -95,6 +95,19 @@ def test_a_replica_killed_mid_load_loses_nothing_and_a_new_one_is_used(cluster, 
     assert [s.token_ids for s in streams] == reference_greedy(prompts[:9], 24)
     assert trees_built(newcomer) > 0
 
+    # scale-down: the newcomer leaves the DNS answer while it drafts (it keeps running); the manager
+    # closes its stream between exchanges and moves its requests
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(generate_all, system.manager.address, [Request(p, 64) for p in prompts], None, 300)
+        built = trees_built(newcomer)
+        deadline = time.monotonic() + 60
+        while trees_built(newcomer) < built + 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        publish(dns, survivors)
+        streams = future.result(timeout=300)
+    assert [s.token_ids for s in streams] == want
+    assert newcomer.process.poll() is None
+
 
 def test_two_managers_share_one_verifier_with_the_same_request_ids(heldout_ids):
     """Manager scale-out: each reserves half of a small verifier KV pool, and their verifier ids

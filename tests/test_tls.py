@@ -17,9 +17,11 @@ from specinfer_rpc.launch import System, launch
 from specinfer_rpc.security import channel_credentials
 
 from .conftest import MODELS
+from .dns_server import DNSServer
 from .services import reference_greedy
 
 TOKEN = "s3cret-token"
+SPECULATORS = "speculator.specinfer.test"  # a DNS name the service certificate carries
 
 
 def openssl(*args: str, cwd) -> None:
@@ -35,7 +37,7 @@ def make_cert(d, name: str, ca: str) -> None:
     """A certificate for 127.0.0.1 / localhost signed by `ca`, usable by servers and clients."""
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
             "-subj", f"/CN={name}", cwd=d)
-    (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / f"{name}.ext").write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:{SPECULATORS}\n")
     openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
             "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
 
@@ -93,6 +95,29 @@ def test_mutual_tls_serves_the_right_client_and_refuses_the_others(mtls_system, 
             with pytest.raises(grpc.RpcError) as e:
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, name
+
+
+def test_speculators_found_by_dns_are_verified_against_the_dns_name(mtls_system, pki, heldout_ids):
+    """The manager dials a discovered replica by address (127.0.0.1 here, a pod IP in a cluster)
+    but checks its certificate against the target's DNS name: the mTLS stream works and trees
+    are accepted."""
+    dns = DNSServer()
+    speculator = mtls_system.by_name("speculator-0")
+    dns.set(SPECULATORS, "A", ["127.0.0.1"])
+    system = System(credentials=creds(pki, cert="service"))
+    try:
+        manager = system.start("manager", "manager_svc", [
+            "--port", "0", "--verifier", mtls_system.by_name("verifier").address, "--tokenizer", str(MODELS / "llm"),
+            "--speculators", f"dns://{dns.address}/{SPECULATORS}:{speculator.address.rsplit(':', 1)[1]}",
+            "--no-adaptive", f"--tls-cert={pki / 'service.pem'}", f"--tls-key={pki / 'service.key'}",
+            f"--tls-ca={pki / 'ca.pem'}", "--tls-client-auth"], 120)
+        stream = generate_all(manager.address, [Request(heldout_ids[0], 16)], "2,1,1", 60,
+                              creds(pki, cert="client"))[0]
+        assert stream.token_ids == reference_greedy(heldout_ids[:1], 16)[0]
+        assert stream.usage.accepted_draft_tokens > 0
+    finally:
+        system.stop()
+        dns.close()
 
 
 def test_bearer_token_guards_the_public_api_but_not_health(mtls_system, pki, heldout_ids):
