@@ -11,6 +11,8 @@ on their own services' /metrics.
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.tree import TokenTree
@@ -49,8 +51,8 @@ def depths(tree: TokenTree) -> list[int]:
 def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float) -> None:
     """One request's step: the tree it verified, the tokens streamed, how many were drafts, and
     the time since its previous chunk (since acceptance for the first)."""
-    for d in depths(tree):
-        DRAFT_TOKENS.labels(str(d)).inc()
+    for d, n in collections.Counter(depths(tree)).items():  # one labelled update per depth, not per node
+        DRAFT_TOKENS.labels(str(d)).inc(n)
     for d in range(1, accepted + 1):
         ACCEPTED_TOKENS.labels(str(d)).inc()
     TOKENS_PER_STEP.observe(emitted)
