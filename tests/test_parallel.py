@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specinfer.generate import Request
@@ -53,6 +54,8 @@ def _rank(rank: int, tp: int, pp: int, init_method: str, results) -> None:
     logits = captured_logits(verifier)
     if rank == verifier.layout.leader:  # as numpy: torch tensors would be shared with the exiting process
         results.put([[rows.numpy() for rows in step] for step in logits])
+    dist.barrier()  # every send has been received: no gloo work is pending at exit (it aborted once)
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
