@@ -12,11 +12,10 @@ import os
 
 import torch
 
-from .batch import RequestView, TreeBatch, pack_bits, unpack_bits
+from .batch import RequestView, TreeBatch
 from .reference import tree_attention_reference
 
-__all__ = ["RequestView", "TreeBatch", "pack_bits", "unpack_bits", "tree_attention", "tree_attention_reference",
-           "backend"]
+__all__ = ["RequestView", "TreeBatch", "tree_attention", "tree_attention_reference", "backend"]
 
 BACKENDS = ("auto", "triton", "reference")
 

@@ -13,11 +13,13 @@ may see key slot j of its request when
 
 `tree_bits` packs each query's row of the tree's ancestor-or-self matrix into int32 words, so a
 tree of any size costs ceil(n / 32) words per query, not a dense [queries, keys] mask.
+
+The batch is laid out with plain Python lists and each tensor is copied to the device once, so
+building it dispatches the same few ops whatever the number of requests.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -32,26 +34,21 @@ class RequestView:
     first: int  # slot of its first new query (the first new committed token or tree node)
     n_committed: int  # new committed tokens (slots first .. first + n_committed - 1), attending causally
     tree_start: int  # first tree slot
-    tree_rows: torch.Tensor  # [n_tree_queries, n_tree] bool: ancestor-or-self rows of its new tree nodes
+    tree_rows: list[int]  # per new tree node, its ancestor-or-self row over the scratch tree (bit t: tree slot t)
 
     @property
     def n_queries(self) -> int:
-        return self.n_committed + self.tree_rows.shape[0]
+        return self.n_committed + len(self.tree_rows)
 
 
-def pack_bits(rows: torch.Tensor, words: int) -> torch.Tensor:
-    """rows [n, m] bool -> [n, words] int32; bit t of word w is column 32 * w + t."""
-    n, m = rows.shape
-    padded = torch.zeros(n, words * 32, dtype=torch.int64)
-    padded[:, :m] = rows
-    packed = (padded.view(n, words, 32) << torch.arange(32)).sum(-1)  # < 2**32
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_bits(words: torch.Tensor, m: int) -> torch.Tensor:
-    """The inverse of `pack_bits`: [n, words] int32 -> [n, m] bool."""
-    bits = (words.to(torch.int64)[:, :, None] >> torch.arange(32, device=words.device)) & 1
-    return bits.flatten(1)[:, :m].bool()
+def _words(row: int, words: int) -> list[int]:
+    """An ancestor row as `words` int32 words; bit t of word w is tree slot 32 * w + t."""
+    out = []
+    for _ in range(words):
+        w = row & 0xFFFFFFFF
+        out.append(w - (1 << 32) if w >= 1 << 31 else w)
+        row >>= 32
+    return out
 
 
 @dataclass
@@ -65,16 +62,17 @@ class TreeBatch:
     tree_bits: torch.Tensor  # [N, W] int32, W >= 1
     write_blocks: torch.Tensor  # [N] int64: the block each query's own K/V is written to
     write_offsets: torch.Tensor  # [N] int64: and the offset in it
+    query_requests: torch.Tensor  # [N] int64: the request of each query
     # the same facts on the host, so launching never waits for the device
     host_q_starts: list[int] = field(repr=False)
     host_seq_lens: list[int] = field(repr=False)
 
     @classmethod
     def build(cls, requests: list[RequestView], block_size: int, device: torch.device | str = "cpu") -> "TreeBatch":
-        q_starts, seq_lens, causal, slots_b, slots_o, bit_rows = [0], [], [], [], [], []
-        words = max(1, max((math.ceil(r.tree_rows.shape[1] / 32) for r in requests), default=1))
-        for r in requests:
-            n_tree = r.tree_rows.shape[0]
+        """Lay the batch out on the host (plain lists) and copy each tensor to the device once."""
+        q_starts, seq_lens, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], []
+        words = max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1))
+        for b, r in enumerate(requests):
             end = r.first + r.n_queries
             if math.ceil(end / block_size) > len(r.blocks):
                 raise ValueError(f"tree batch: {end} slots do not fit {len(r.blocks)} blocks of {block_size}")
@@ -82,22 +80,20 @@ class TreeBatch:
                 raise ValueError("tree batch: new committed tokens must lie before the tree")
             q_starts.append(q_starts[-1] + r.n_queries)
             seq_lens.append(end)
-            causal += [s + 1 for s in range(r.first, r.first + r.n_committed)] + [r.tree_start] * n_tree
+            causal += [s + 1 for s in range(r.first, r.first + r.n_committed)] + [r.tree_start] * len(r.tree_rows)
             slots = range(r.first, end)
             slots_b += [r.blocks[s // block_size] for s in slots]
             slots_o += [s % block_size for s in slots]
-            bit_rows.append(torch.zeros(r.n_committed, words, dtype=torch.int32))
-            bit_rows.append(pack_bits(r.tree_rows, words))
-        width = max((len(r.blocks) for r in requests), default=0)
-        tables = torch.zeros(len(requests), max(width, 1), dtype=torch.int32)
-        for b, r in enumerate(requests):
-            tables[b, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            bits += [[0] * words] * r.n_committed + [_words(row, words) for row in r.tree_rows]
+            owner += [b] * r.n_queries
+        width = max(1, max((len(r.blocks) for r in requests), default=0))
+        tables = [r.blocks + [0] * (width - len(r.blocks)) for r in requests] or [[0]]
 
         def to(x, dtype=torch.int32):
-            return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
         return cls(block_size, to(tables), to(seq_lens), to([r.tree_start for r in requests]), to(q_starts),
-                   to(causal), to(torch.cat(bit_rows)), to(slots_b, torch.int64), to(slots_o, torch.int64),
-                   q_starts, seq_lens)
+                   to(causal), to(bits).view(len(causal), words), to(slots_b, torch.int64), to(slots_o, torch.int64),
+                   to(owner, torch.int64), q_starts, seq_lens)
 
     @property
     def n_requests(self) -> int:
@@ -107,23 +103,19 @@ class TreeBatch:
     def max_seq_len(self) -> int:
         return max(self.host_seq_lens, default=0)
 
-    @functools.cached_property
-    def masks(self) -> list[torch.Tensor | None]:
-        """Per request, the bool mask [queries, seq_len] the rules above give, or None where every
-        query sees every key (for the reference)."""
-        out = []
-        tree_starts = self.tree_starts.tolist()
-        for b, n in enumerate(self.host_seq_lens):
-            a, e = self.host_q_starts[b], self.host_q_starts[b + 1]
-            keys = torch.arange(n, device=self.causal.device)
-            t = tree_starts[b]
-            causal = keys[None, :] < self.causal[a:e, None]
-            tree = torch.zeros_like(causal)
-            if n > t:
-                tree[:, t:] = unpack_bits(self.tree_bits[a:e], n - t)
-            mask = causal | tree
-            out.append(None if bool(mask.all()) else mask)
-        return out
+    @property
+    def max_queries(self) -> int:
+        return max((b - a for a, b in zip(self.host_q_starts, self.host_q_starts[1:])), default=0)
+
+    def visible(self, n_keys: int) -> torch.Tensor:
+        """[N, n_keys] bool: whether query i sees key slot j of its request, by the rules above."""
+        keys = torch.arange(n_keys, device=self.causal.device)[None, :]
+        req = self.query_requests[:, None]
+        t = keys - self.tree_starts[req]  # tree slot of key j
+        in_tree = (t >= 0) & (keys < self.seq_lens[req])
+        word = self.tree_bits.gather(1, (t.clamp(min=0) >> 5).clamp(max=self.tree_bits.shape[1] - 1))
+        bit = ((word >> (t.clamp(min=0) & 31)) & 1).bool()
+        return (keys < self.causal[:, None]) | (in_tree & bit)
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the queries' own keys and values: k, v [N, Hkv, D] into one layer's pool

@@ -1,10 +1,11 @@
 """Tree attention over a paged KV cache in plain PyTorch: the readable definition the Triton
 kernel is tested against, and what the model runs where there is no GPU.
 
-Per request: gather its keys and values through its block table, build its mask from the batch's
-causal limits and tree bits, and hand both to PyTorch's scaled_dot_product_attention (GQA by
-`enable_gqa`, no K/V copies per head; no mask at all when every query sees every key, the plain
-decoding case).
+The whole batch at once: gather every request's keys and values through its block table into a
+padded [B, max_seq_len] layout, scatter the flat queries into [B, max_queries], build the mask
+from the batch's causal limits and tree bits (padding keys hidden; padding query rows see key 0
+so that nothing is NaN), and make one call to PyTorch's scaled_dot_product_attention (GQA by
+`enable_gqa`, no K/V copies per head). The ops dispatched do not depend on the batch size.
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
-    out = torch.empty_like(q)
-    for b, n in enumerate(batch.host_seq_lens):
-        a, e = batch.host_q_starts[b], batch.host_q_starts[b + 1]
-        if a == e:
-            continue
-        blocks = batch.block_tables[b, : math.ceil(n / bs)]
-        k = k_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
-        v = v_cache[blocks].flatten(0, 1)[:n].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[a:e].transpose(0, 1)[None], k[None], v[None],
-                                           attn_mask=batch.masks[b], scale=scale, enable_gqa=True)  # [1, Hq, nq, D]
-        out[a:e] = o[0].transpose(0, 1)
-    return out
+    if n_q == 0:
+        return torch.empty_like(q)
+    B, L, M = batch.n_requests, batch.max_seq_len, batch.max_queries
+    tables = batch.block_tables[:, : math.ceil(L / bs)].long()
+    k = k_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)
+    row = torch.arange(n_q, device=q.device) - batch.q_starts.long()[batch.query_requests]  # index within its request
+    where = (batch.query_requests, row)
+    qp = q.new_zeros(B, M, hq, d)
+    qp[where] = q
+    mask = torch.zeros(B, M, L, dtype=torch.bool, device=q.device)
+    mask[..., 0] = True
+    mask[where] = batch.visible(L)
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                       enable_gqa=True)  # [B, Hq, M, D]
+    return o.transpose(1, 2)[where]

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .tree import TokenTree, ancestor_mask
+from .tree import TokenTree, ancestor_bits
 
 BLOCK_SIZE = 16
 POOL_TOKENS = 65536  # default pool size in token slots
@@ -41,8 +41,10 @@ class KVPool:
             raise ValueError(f"kv pool: {tokens} tokens is less than one block of {block_size}")
         self.block_size = block_size
         n_blocks = tokens // block_size
-        self.k = torch.empty(n_layers, n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        # zeros, not garbage: attention over a padded batch reads (and masks) slots no request wrote,
+        # and a NaN there would survive the mask
+        self.k = torch.zeros(n_layers, n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
 
     @property
@@ -69,6 +71,18 @@ class KVPool:
     def new_cache(self) -> "KVCache":
         return KVCache(self)
 
+    def move(self, moves: list[tuple[list[int], list[int]]]) -> None:
+        """Copy K/V between slots of many caches at once: each (src, dst) pair lists pool slots
+        (block * block_size + offset). Sources are all read before any destination is written."""
+        src = [s for m in moves for s in m[0]]
+        if not src:
+            return
+        dst = [s for m in moves for s in m[1]]
+        index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
+        for cache in (self.k, self.v):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, blocks * block_size, Hkv, D]
+            flat[:, index[1]] = flat[:, index[0]]
+
 
 class KVCache:
     def __init__(self, pool: KVPool):
@@ -79,7 +93,7 @@ class KVCache:
         self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
         self.tree_depths: list[int] = []  # a child of the root has depth 1
-        self.tree_mask = torch.zeros(0, 0, dtype=torch.bool)  # [n_tree, n_tree] ancestor-or-self
+        self.tree_rows: list[int] = []  # per tree node, its ancestor-or-self row (tree.ancestor_bits)
 
     @property
     def slots(self) -> int:
@@ -105,21 +119,21 @@ class KVCache:
         self.tokens, self.length = [], 0
         self.drop_tree()
 
-    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of each slot."""
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return table[slots // self.pool.block_size], slots % self.pool.block_size
+    def pool_slots(self, slots) -> list[int]:
+        """Where this cache's slots lie in the pool (block * block_size + offset)."""
+        bs = self.pool.block_size
+        return [self.blocks[s // bs] * bs + s % bs for s in slots]
 
     @property
     def pending(self) -> list[int]:
         """Committed tokens whose K/V are not here yet."""
         return self.tokens[self.length :]
 
-    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, list[int], list[int]]:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole
         scratch tree, earlier nodes included). Returns the first slot written, the queries'
-        positions [n] (n = n_new + len(tree_tokens)), and the new nodes' ancestor-or-self rows
-        [len(tree_tokens), n_tree] over the whole scratch tree."""
+        positions (n_new + len(tree_tokens) of them), and the new nodes' ancestor-or-self rows over
+        the whole scratch tree (bit v: tree node v)."""
         n_old_tree = len(self.tree)
         if n_new and n_old_tree:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
@@ -136,28 +150,27 @@ class KVCache:
             self.tree.parents.append(p)
             self.tree_depths.append(d)
             depths.append(d)
-        self.tree_mask = ancestor_mask(self.tree.parents, self.tree_mask)
-        positions = torch.cat([
-            torch.arange(self.length - n_new, self.length),
-            self.length - 1 + torch.tensor(depths, dtype=torch.long),
-        ])
-        return first, positions, self.tree_mask[n_old_tree:]
+        self.tree_rows = ancestor_bits(self.tree.parents, self.tree_rows)
+        positions = list(range(self.length - n_new, self.length)) + [self.length - 1 + d for d in depths]
+        return first, positions, self.tree_rows[n_old_tree:]
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""
+        commit_all([self], [path])
+
+    def _commit(self, path: list[int]) -> tuple[list[int], list[int]]:
+        """`commit`'s bookkeeping; returns the K/V move still to be made, (source pool slots,
+        destination pool slots)."""
+        move = ([], [])
         if path:
-            src = self.locate(self.length + torch.tensor(path))
-            dst = self.locate(torch.arange(self.length, self.length + len(path)))
-            pool = self.pool
-            pool.k[:, dst[0], dst[1]] = pool.k[:, src[0], src[1]]  # gathered first, so overlaps are safe
-            pool.v[:, dst[0], dst[1]] = pool.v[:, src[0], src[1]]
+            move = (self.pool_slots(self.length + u for u in path), self.pool_slots(range(self.length, self.length + len(path))))
             self.length += len(path)
         self.drop_tree()
-        self._trim()
+        self._trim()  # a trimmed block keeps its contents until the pool hands it out again
+        return move
 
     def drop_tree(self) -> None:
-        self.tree, self.tree_depths = TokenTree(), []
-        self.tree_mask = torch.zeros(0, 0, dtype=torch.bool)
+        self.tree, self.tree_depths, self.tree_rows = TokenTree(), [], []
 
     def matching_path(self, tokens: list[int]) -> list[int]:
         """The longest chain of tree nodes from the root whose tokens are a prefix of `tokens`."""
@@ -169,3 +182,9 @@ class KVCache:
             path.append(nxt)
             u = nxt
         return path
+
+
+def commit_all(caches: list[KVCache], paths: list[list[int]]) -> None:
+    """`commit` every cache's accepted path, moving all their K/V entries in one pool operation."""
+    if caches:
+        caches[0].pool.move([c._commit(p) for c, p in zip(caches, paths)])

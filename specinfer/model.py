@@ -10,12 +10,16 @@ Loads a Hugging Face checkpoint directory (config.json + *.safetensors) with no 
 A batch is flattened over requests (no padding): projections and MLPs run once over all tokens;
 per layer, the new tokens' keys and values are written into the paged KV pool and one
 tree-attention call (the Triton kernel on CUDA, its PyTorch reference elsewhere) covers the whole
-batch. Only the rows asked for reach the LM head. The model knows nothing about trees beyond the mask and positions its caches hand it, and
-nothing about sampling.
+batch. Only the rows asked for reach the LM head, and their logits stay on the model's device.
+The batch's layout (token ids, positions, KV slots, masks) is built with plain lists on the host
+and copied to the device once per tensor, so the ops a forward dispatches do not grow with the
+number of requests. The model knows nothing about trees beyond the mask and positions its caches
+hand it, and nothing about sampling.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -109,6 +113,17 @@ class StepInput:
     tree_tokens: list[int]  # draft nodes to add to the cache's scratch tree
     tree_parents: list[int]  # their parents, indexing the whole scratch tree (-1: the root)
 
+    @property
+    def n_rows(self) -> int:
+        """Rows of this item in the forward's logits: the last new committed token's (if any), then
+        one per new tree node."""
+        return (1 if self.new_tokens else 0) + len(self.tree_tokens)
+
+
+def row_starts(items: list[StepInput]) -> list[int]:
+    """Each item's first row in the forward's logits."""
+    return [0, *itertools.accumulate(it.n_rows for it in items)][:-1]
+
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Rotary inverse frequencies [head_dim / 2], float32, as Hugging Face computes them."""
@@ -200,7 +215,7 @@ class Step:
     sin: torch.Tensor
     pool: KVPool
     batch: TreeBatch
-    wanted: list[torch.Tensor]  # per item, the rows that reach the LM head
+    wanted: torch.Tensor  # [R] the rows that reach the LM head, item by item
 
 
 class LlamaModel(nn.Module):
@@ -246,36 +261,36 @@ class LlamaModel(nn.Module):
         return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, tokens, block_size)
 
     @torch.no_grad()
-    def forward(self, items: list[StepInput]) -> list[torch.Tensor]:
-        """One forward pass over a ragged batch. Returns, per item, logits [rows, V] (float32, on the
-        CPU, where verification and sampling run):
-        first the last new committed token's row (if it has new tokens), then one row per new tree
-        node, in the order given."""
-        step = self.prepare(items)
+    def forward(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass over a ragged batch. Returns logits [R, V] (float32, on the model's
+        device): for each item in turn, its `n_rows` rows (see `row_starts`).
+        ids: the batch's token ids [N] already on the device (new tokens and tree nodes, item by
+        item), instead of the items' token lists (a speculator's next level, drawn on the device)."""
+        step = self.prepare(items, ids)
         return self.logits(self.run_layers(self.embed(step.ids), step), step)
 
-    def prepare(self, items: list[StepInput]) -> Step:
+    def prepare(self, items: list[StepInput], ids: torch.Tensor | None = None) -> Step:
         """Extend every item's cache and lay the batch out (ids, rotary angles, attention batch)."""
         pool = items[0].cache.pool
         assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
         tokens, positions, views, wanted = [], [], [], []
-        offset = 0
         for it in items:
             first, pos, tree_rows = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
             n = len(it.new_tokens) + len(it.tree_tokens)
-            tokens.extend(it.new_tokens)
-            tokens.extend(it.tree_tokens)
-            positions.append(pos)
+            offset = len(tokens)
+            tokens += it.new_tokens
+            tokens += it.tree_tokens
+            positions += pos
             views.append(RequestView(it.cache.blocks, first, len(it.new_tokens), it.cache.length, tree_rows))
-            start = offset + len(it.new_tokens) - 1 if it.new_tokens else offset
-            wanted.append(torch.arange(start, offset + n))
-            offset += n
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
-        freqs = pos[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
+            wanted += range(offset + len(it.new_tokens) - 1 if it.new_tokens else offset, offset + n)
+        to = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
+        if ids is None:
+            ids = to(tokens)
+        assert ids.shape == (len(tokens),), (ids.shape, len(tokens))
+        freqs = to(positions)[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
-        return Step(ids, cos, sin, pool, TreeBatch.build(views, pool.block_size, self.device), wanted)
+        return Step(ids, cos, sin, pool, TreeBatch.build(views, pool.block_size, self.device), to(wanted))
 
     @torch.no_grad()
     def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -285,10 +300,9 @@ class LlamaModel(nn.Module):
         return x
 
     @torch.no_grad()
-    def logits(self, x: torch.Tensor, step: Step) -> list[torch.Tensor]:
-        rows = torch.cat(step.wanted).to(self.device)
-        logits = self.lm_head(self.norm(x[rows])).float().cpu()
-        return list(logits.split([len(w) for w in step.wanted]))
+    def logits(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """[R, V] float32 logits of the wanted rows, on the device."""
+        return self.lm_head(self.norm(x[step.wanted])).float()
 
 
 def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:

@@ -197,7 +197,7 @@ class PipelineVerifier(Verifier):
         super().__init__(model, kv_tokens)
         self.layout = layout
 
-    def forward(self, items: list[StepInput]) -> list[torch.Tensor] | None:
+    def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         lay, model = self.layout, self.model
         n_micro = min(lay.pp, len(items))
         chunks = [items[i * len(items) // n_micro:(i + 1) * len(items) // n_micro] for i in range(n_micro)]
@@ -211,15 +211,15 @@ class PipelineVerifier(Verifier):
                 dist.recv(x, src=lay.rank - lay.tp)
             x = model.run_layers(x, step)
             if lay.last:
-                logits += model.logits(x, step)
+                logits.append(model.logits(x, step))
             else:
                 sends.append(dist.isend(x, dst=lay.rank + lay.tp))
         for s in sends:
             s.wait()
-        return logits if lay.last else None
+        return torch.cat(logits) if lay.last else None
 
-    def decide(self, batch: list[VerifyRequest], logits) -> list[Verdict]:
-        verdicts = [super().decide(batch, logits) if self.layout.rank == self.layout.leader else None]
+    def decide(self, batch: list[VerifyRequest], logits, starts: list[int]) -> list[Verdict]:
+        verdicts = [super().decide(batch, logits, starts) if self.layout.rank == self.layout.leader else None]
         dist.broadcast_object_list(verdicts, src=self.layout.leader)
         return verdicts[0]
 

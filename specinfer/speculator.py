@@ -1,4 +1,4 @@
-"""The SSM side: expansion-based token tree construction for a batch of requests.
+"""The SSM side: expansion-based token tree construction for a batch of requests, on the SSM's device.
 
 A `Speculator` hosts one SSM and keeps, per request, the tokens it has been told were committed
 and an SSM KV cache. `draft` grows every request's tree one level at a time with one batched SSM
@@ -8,22 +8,32 @@ from the rows of level i's nodes, each node attending to the committed prefix an
 Greedy: a node at depth i gets the top-k_i tokens as children.
 Stochastic: a node at depth i gets k_i draws from q, the SSM's distribution after the request's
 sampling transforms, truncated to its `q_top` most likely tokens and renormalized; draws are
-sequential without replacement by default, i.i.d. with replacement on request. The draws and q
+sequential without replacement by default (drawn at once as the top k_i of log q + Gumbel noise,
+which is the same law), i.i.d. with replacement on request (k_i inverse-CDF draws). The draws and q
 are recorded in the tree (DraftGroup) for the verifier.
+
+Per level, every frontier row of every request goes through one forward, one top-k and one
+sampling operation; the drawn tokens stay on the device and are the next level's input. A fixed
+expansion gives every request a static tree shape: every node gets exactly k_i children (a draw
+past the support of q, possible without replacement, is a *dead* node: computed like the others,
+dropped from the tree). The finished trees cross to the host in one copy; there, dead nodes are
+dropped and repeated draws of one token under one parent (with replacement) become one node whose
+children are the union of the repeats' children, each repeat's draws kept as their own group.
 
 Losing a speculator's state only costs speed: the next `draft` recomputes whatever it is missing.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import POOL_TOKENS, KVCache
+from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .model import LlamaModel, StepInput, check_token_ids
-from .sampling import SamplingParams, probabilities, request_generator, sparsify
-from .tree import DraftGroup, TokenTree, dfs_order, reorder
+from .sampling import SamplingParams, probabilities, sparsify, stream_key, uniform
+from .tree import DraftGroup, TokenTree, merge
 
 
 @dataclass
@@ -34,6 +44,15 @@ class DraftRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
     drafter: int = 0  # tells apart the drafters of one request (e.g. speculator services) so their draws are independent
+
+
+@dataclass
+class _Row:
+    """One frontier node of one request at one level: its row in the level's logits."""
+
+    request: int  # index in the batch
+    node: int  # the node whose children it draws (-1: the root), a raw tree index
+    index: int  # its index among the request's rows at this level (a counter of its random numbers)
 
 
 class Speculator:
@@ -49,85 +68,149 @@ class Speculator:
         if cache is not None:
             cache.release()
 
-    def _sync(self, req: DraftRequest) -> KVCache:
-        """Record new tokens and keep the KV of the part of the last tree they confirm; the root
-        (the last token) always stays pending, so the first forward yields its row."""
-        cache = self.caches.get(req.request_id)
-        if cache is None:
-            cache = self.caches[req.request_id] = self.pool.new_cache()
-        cache.tokens.extend(req.new_tokens)
-        if not cache.tokens:
-            raise ValueError(f"request {req.request_id}: no tokens to draft from")
-        cache.commit(cache.matching_path(cache.tokens[cache.length : -1]))
-        return cache
-
-    def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
-        trees = [TokenTree() for _ in batch]
+    def _sync(self, batch: list[DraftRequest]) -> list[KVCache]:
+        """Record new tokens and keep the KV of the part of each last tree they confirm (all moved
+        at once); the root (the last token) always stays pending, so the first forward yields its
+        row, also when nothing new came since the last draft (then the same tree comes again)."""
         for r in batch:  # all checked before any state changes
             check_token_ids(f"new_token_ids (request {r.request_id})", r.new_tokens, self.model.cfg.vocab_size)
-        caches = [self._sync(r) for r in batch]
-        gens = [None if r.sampling.greedy else request_generator(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
+            if not r.new_tokens and not (r.request_id in self.caches and self.caches[r.request_id].tokens):
+                raise ValueError(f"request {r.request_id}: no tokens to draft from")
+        caches = []
+        for r in batch:
+            cache = self.caches.get(r.request_id)
+            if cache is None:
+                cache = self.caches[r.request_id] = self.pool.new_cache()
+            cache.tokens.extend(r.new_tokens)
+            caches.append(cache)
+        commit_all(caches, [c.matching_path(c.tokens[c.length: -1]) for c in caches])
+        for c in caches:
+            if c.length == len(c.tokens):  # the root's K/V is cached but its row is needed again
+                c.length -= 1
+        return caches
+
+    @torch.no_grad()
+    def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
+        caches = self._sync(batch)
+        keys = [None if r.sampling.greedy else
+                stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 for r, c in zip(batch, caches)]
-        active = [i for i, r in enumerate(batch) if r.expansion]
-        # frontier[i]: tree nodes of request i added at the previous level, not yet run through the SSM
-        frontier: dict[int, list[int]] = {i: [] for i in active}
-        depth = 0
-        while active:
-            # Nodes enter the SSM cache level by level in tree-index order, so a node's index in
-            # the cache's scratch tree equals its tree index, and tree parents index the scratch.
-            items = [StepInput(caches[i], caches[i].pending if depth == 0 else [],
-                               [trees[i].tokens[u] for u in frontier[i]],
-                               [trees[i].parents[u] for u in frontier[i]])
-                     for i in active]
-            rows = self.model(items)
-            still = []
-            for i, logits in zip(active, rows):
-                parents = [-1] if depth == 0 else frontier[i]
-                frontier[i] = self._expand(trees[i], parents, logits, batch[i], gens[i], batch[i].expansion[depth])
-                if depth + 1 < len(batch[i].expansion):
-                    still.append(i)
-            active = still
-            depth += 1
-        return [reorder(t, dfs_order(t.parents)) for t in trees]
+        size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
+        rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
+        items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
+        ids, levels, depth = None, [], 0
+        while rows:
+            logits = self.model(items, ids)  # [len(rows), V]: one row per frontier node
+            k = [batch[row.request].expansion[depth] for row in rows]
+            children = self._expand(logits, rows, k, batch, keys, depth)
+            levels.append((rows, k, children))
+            grown: dict[int, list[int]] = {}  # request -> its new nodes' parents, in order
+            for row, kr in zip(rows, k):
+                grown.setdefault(row.request, []).extend([row.node] * kr)
+            nxt = []
+            for r, parents in grown.items():
+                if depth + 1 < len(batch[r].expansion):
+                    nxt += [_Row(r, size[r] + j, j) for j in range(len(parents))]
+                size[r] += len(parents)
+            kmax = children[0].shape[1]
+            picks = [ri * kmax + j for ri, (row, kr) in enumerate(zip(rows, k))
+                     if depth + 1 < len(batch[row.request].expansion) for j in range(kr)]
+            ids = children[0].flatten()[torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)]
+            items = [StepInput(caches[r], [], [0] * len(grown[r]), grown[r]) for r in dict.fromkeys(x.request for x in nxt)]
+            rows, depth = nxt, depth + 1
+        return self._finish(batch, caches, levels)
 
-    def _expand(self, tree: TokenTree, parents: list[int], logits: torch.Tensor, req: DraftRequest,
-                gen: torch.Generator, k: int) -> list[int]:
-        """Add k children (or k draws) under each parent from its logits row; return the new nodes."""
-        new: list[int] = []
-        if req.sampling.greedy:
-            top = logits.topk(k, dim=-1).indices.tolist()
-            for parent, tokens in zip(parents, top):
-                for t in tokens:
-                    new.append(_add(tree, parent, t))
-            return new
-        q_ids, q_probs = sparsify(probabilities(logits, req.sampling), self.q_top)  # [R, K] each
-        support = (q_probs > 0).sum(dim=-1).tolist()
-        draws = _draw(q_probs, k, req.replacement, support, gen)
-        ids, ps = q_ids.tolist(), q_probs.tolist()
-        for r, parent in enumerate(parents):
-            made: dict[int, int] = {}  # token -> node: repeated draws of one token are one node
-            children = []
-            for j in draws[r]:
-                t = ids[r][j]
-                if t not in made:
-                    made[t] = _add(tree, parent, t)
-                    new.append(made[t])
-                children.append(made[t])
-            n = support[r]
-            tree.groups.append(DraftGroup(parent, ids[r][:n], ps[r][:n], children, req.replacement))
-        return new
+    def _expand(self, logits: torch.Tensor, rows: list[_Row], k: list[int], batch: list[DraftRequest],
+                keys: list[int | None], depth: int) -> tuple[torch.Tensor, ...]:
+        """Children of every row at once: (tokens [R, kmax], drawn [R, kmax] bool (False: past the
+        support of q), q_ids [S, K], q_probs [S, K]) with S the rows of sampled requests."""
+        dev = logits.device
+        to = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        R, kmax = len(rows), max(k)
+        tokens = torch.zeros(R, kmax, dtype=torch.long, device=dev)
+        drawn = torch.ones(R, kmax, dtype=torch.bool, device=dev)
+        greedy = [i for i, row in enumerate(rows) if keys[row.request] is None]
+        sampled = [i for i, row in enumerate(rows) if keys[row.request] is not None]
+        if greedy:
+            g = to(greedy)
+            tokens[g] = logits[g].topk(kmax, dim=-1).indices
+        q_ids = q_probs = torch.zeros(0, self.q_top, device=dev)
+        if sampled:
+            s = to(sampled)
+            q_ids, q_probs = sparsify(probabilities(logits[s], [batch[rows[i].request].sampling for i in sampled]),
+                                      self.q_top)  # [S, K]
+            key = to([keys[rows[i].request] for i in sampled])[:, None]
+            index = to([rows[i].index for i in sampled])[:, None]
+            n = q_probs.shape[1]
+            q = q_probs.double()
+            u = uniform(key, depth, index, torch.arange(n + kmax, device=dev))  # [S, n + kmax]
+            # without replacement: the top kmax of log q + Gumbel noise, in order (Plackett-Luce)
+            ordered = (q.log() - torch.log(-torch.log(u[:, :n]))).topk(min(kmax, n), dim=-1).indices
+            if n < kmax:
+                ordered = torch.cat([ordered, ordered[:, :1].expand(-1, kmax - n)], dim=1)
+            # with replacement: kmax inverse-CDF draws
+            iid = torch.searchsorted(q.cumsum(-1), u[:, n:] * q.sum(-1, keepdim=True)).clamp(max=n - 1)
+            replace = to([batch[rows[i].request].replacement for i in sampled], torch.bool)[:, None]
+            pos = torch.where(replace, iid, ordered)
+            tokens[s] = q_ids.gather(1, pos)
+            valid = q_probs.gather(1, pos) > 0
+            if n < kmax:
+                valid &= replace | (torch.arange(kmax, device=dev) < n)
+            drawn[s] = valid
+        return tokens, drawn, q_ids, q_probs
+
+    def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list) -> list[TokenTree]:
+        """Copy every level's draws to the host at once and build each request's tree."""
+        if not levels:
+            return [TokenTree() for _ in batch]
+        parts = []
+        for _, _, (tokens, drawn, q_ids, q_probs) in levels:
+            parts += [tokens.flatten(), drawn.flatten().long(), q_ids.flatten().long(),
+                      q_probs.double().flatten().view(torch.int64)]
+        values = torch.cat(parts).cpu().tolist()  # the draft's one synchronization and copy
+        chunks, at = [], 0
+        for part in parts:
+            chunks.append(values[at: at + part.numel()])
+            at += part.numel()
+        raw = [TokenTree() for _ in batch]
+        alive: list[list[bool]] = [[] for _ in batch]
+        for level, (rows, k, (tokens, _, q_ids, _)) in enumerate(levels):
+            tok, ok, qi, bits = chunks[4 * level: 4 * level + 4]
+            qp = struct.unpack(f"<{len(bits)}d", struct.pack(f"<{len(bits)}q", *bits))  # float64 bits back
+            kmax, width = tokens.shape[1], q_ids.shape[1]
+            s = 0
+            for ri, (row, kr) in enumerate(zip(rows, k)):
+                tree, live = raw[row.request], alive[row.request]
+                children = []
+                for j in range(kr):
+                    good = bool(ok[ri * kmax + j]) and (row.node < 0 or live[row.node])
+                    tree.tokens.append(tok[ri * kmax + j] if good else -1)
+                    tree.parents.append(row.node)
+                    live.append(good)
+                    if good:
+                        children.append(len(tree.tokens) - 1)
+                req = batch[row.request]
+                if not req.sampling.greedy:
+                    ids, probs = qi[s * width:(s + 1) * width], qp[s * width:(s + 1) * width]
+                    support = sum(p > 0 for p in probs)
+                    if children:
+                        tree.groups.append(DraftGroup(row.node, ids[:support], list(probs[:support]), children,
+                                                      req.replacement))
+                    s += 1
+        out = []
+        for cache, tree, live in zip(caches, raw, alive):
+            # the cache holds the nodes that went through the SSM (all but the last level); a dead
+            # node's token (-1) never matches a committed token
+            cache.tree.tokens[:] = tree.tokens[: len(cache.tree)]
+            keep = [u for u in range(len(tree)) if live[u]]
+            out.append(merge([_subtree(tree, keep)]))
+        return out
 
 
-def _draw(q: torch.Tensor, k: int, replacement: bool, support: list[int], gen: torch.Generator) -> list[list[int]]:
-    """k draws per row of q [R, K] (indices into K): i.i.d., or sequential without replacement
-    (at most the row's support), one multinomial call for all rows when the support allows."""
-    if replacement or min(support) >= k:
-        return torch.multinomial(q, k, replacement=replacement, generator=gen).tolist()
-    return [torch.multinomial(row, min(k, n), generator=gen).tolist() for row, n in zip(q, support)]
-
-
-def _add(tree: TokenTree, parent: int, token: int) -> int:
-    tree.tokens.append(token)
-    tree.parents.append(parent)
-    return len(tree.tokens) - 1
-
+def _subtree(tree: TokenTree, keep: list[int]) -> TokenTree:
+    """The nodes `keep` (closed under parents, in order) renumbered from 0."""
+    new = {u: i for i, u in enumerate(keep)}
+    new[-1] = -1
+    return TokenTree([tree.tokens[u] for u in keep], [new[tree.parents[u]] for u in keep],
+                     [DraftGroup(new[g.parent], g.q_ids, g.q_probs, [new[c] for c in g.children], g.replacement)
+                      for g in tree.groups])

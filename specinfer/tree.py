@@ -12,14 +12,12 @@ children of one parent, in draw order, from one sparse distribution q, with or w
 replacement. A node may be drawn several times (with replacement) and by several groups (after a
 merge). Greedy trees have no groups.
 
-This module knows nothing about models or tensors beyond the mask it builds.
+This module knows nothing about models or tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 
 @dataclass
@@ -66,18 +64,45 @@ class TokenTree:
         return [g for g in self.groups if g.parent == u]
 
 
-def ancestor_mask(parents: list[int], known: torch.Tensor | None = None) -> torch.Tensor:
-    """[n, n] bool: mask[u, v] is True iff v is u or an ancestor of u (topology-aware causal mask).
-    known: the mask of the first nodes, already computed (for a tree grown level by level)."""
-    n, m = len(parents), 0 if known is None else known.shape[0]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    if m:
-        mask[:m, :m] = known
-    for u in range(m, n):
-        if parents[u] >= 0:
-            mask[u] = mask[parents[u]]
-        mask[u, u] = True
-    return mask
+def check_verifiable(tree: TokenTree) -> None:
+    """Raise ValueError ("tree: ...") unless the tree is what verification assumes: one node per
+    path (no two children of a node with the same token), and every draft group's draws are
+    children of its parent with positive probability in its q (distinct ids, finite probabilities)."""
+    seen = set()
+    for u, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+        if (p, t) in seen:
+            raise ValueError(f"tree: node {u} repeats token {t} under parent {p} (one node per path)")
+        seen.add((p, t))
+    for g in tree.groups:
+        if not -1 <= g.parent < len(tree) or any(not 0 <= c < len(tree) for c in g.children):
+            raise ValueError("tree: a draft group names a node outside the tree")
+        if len(g.q_ids) != len(g.q_probs) or len(set(g.q_ids)) != len(g.q_ids):
+            raise ValueError("tree: a draft group's q_token_ids must be distinct, one per q_probs entry")
+        if not all(0.0 <= q < float("inf") for q in g.q_probs):
+            raise ValueError("tree: a draft group's q_probs must be finite and >= 0")
+        q = dict(zip(g.q_ids, g.q_probs))
+        for c in g.children:
+            if tree.parents[c] != g.parent or q.get(tree.tokens[c], 0.0) <= 0.0:
+                raise ValueError(f"tree: draft group of node {g.parent} draws node {c}, which is not its child "
+                                 f"with positive probability in its q")
+
+
+def ancestor_bits(parents: list[int], known: list[int] = ()) -> list[int]:
+    """Per node u, the topology-aware causal mask's row as an int: bit v is set iff v is u or an
+    ancestor of u. known: the rows of the first nodes, already computed (for a tree grown level by
+    level)."""
+    rows = list(known)
+    for u in range(len(rows), len(parents)):
+        rows.append((rows[parents[u]] if parents[u] >= 0 else 0) | (1 << u))
+    return rows
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Per node, its depth: a child of the root has depth 1."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
 
 
 def dfs_order(parents: list[int]) -> list[int]:

@@ -3,8 +3,10 @@
 A `Verifier` hosts the LLM and keeps, per request, its token record and LLM KV cache. One `step`
 runs one LLM forward over the whole batch: for each request its tokens not yet in the cache (the
 prompt on the first step, the previous bonus token afterwards) followed by its draft tree. It then
-verifies each tree against the LLM's rows (verify.py), moves the accepted path's KV entries to
-committed slots, drops the rest, and returns the accepted tokens plus the bonus token.
+verifies every tree against the LLM's rows at once on the model's device (verify.py; the logits
+never leave it, the verdicts come back in one copy), moves the accepted paths' KV entries to
+committed slots in one pool operation, drops the rest, and returns the accepted tokens plus the
+bonus token.
 
 A request with an empty tree takes a plain incremental step; incremental decoding is this same
 path with no speculator at all.
@@ -16,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import POOL_TOKENS, KVCache
-from .model import LlamaModel, StepInput, check_token_ids
-from .sampling import SamplingParams, probabilities, request_generator
-from .tree import TokenTree
-from .verify import Verdict, verify_greedy, verify_stochastic
+from .kv_cache import POOL_TOKENS, KVCache, commit_all
+from .model import LlamaModel, StepInput, check_token_ids, row_starts
+from .sampling import SamplingParams
+from .tree import TokenTree, check_verifiable
+from .verify import Verdict, verify_batch
 
 
 @dataclass
@@ -52,9 +54,16 @@ class Verifier:
         self.pool.check_room(need)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
+        vocab = self.model.cfg.vocab_size
         for req in batch:
-            check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, self.model.cfg.vocab_size)
-            check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, self.model.cfg.vocab_size)
+            check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, vocab)
+            check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, vocab)
+            for g in req.tree.groups:
+                check_token_ids(f"tree (request {req.request_id}): q_token_ids", g.q_ids, vocab)
+            try:
+                check_verifiable(req.tree)
+            except ValueError as e:
+                raise ValueError(f"{e} (request {req.request_id})") from None
         self._check_room(batch)
         items = []
         for req in batch:
@@ -65,25 +74,19 @@ class Verifier:
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents))
-        verdicts = self.decide(batch, self.forward(items))
-        for req, verdict in zip(batch, verdicts):
-            cache = self.caches[req.request_id]
-            cache.commit(verdict.path)
+        verdicts = self.decide(batch, self.forward(items), row_starts(items))
+        caches = [self.caches[req.request_id] for req in batch]
+        commit_all(caches, [v.path for v in verdicts])
+        for cache, verdict in zip(caches, verdicts):
             cache.tokens.extend(verdict.tokens)
         return verdicts
 
-    def forward(self, items: list[StepInput]) -> list[torch.Tensor] | None:
-        """The LLM's logits [1 + n_tree, V] per item (a model-parallel verifier: None on the ranks
-        that do not hold them)."""
+    def forward(self, items: list[StepInput]) -> torch.Tensor | None:
+        """The LLM's logits [R, V] on its device, 1 + n_tree rows per item (a model-parallel
+        verifier: None on the ranks that do not hold them)."""
         return self.model(items)
 
-    def decide(self, batch: list[VerifyRequest], logits: list[torch.Tensor]) -> list[Verdict]:
-        """Each request's accepted path and tokens, from its logits."""
-        verdicts = []
-        for req, rows in zip(batch, logits):
-            if req.sampling.greedy:
-                verdicts.append(verify_greedy(req.tree, rows.argmax(dim=-1).tolist()))
-            else:
-                gen = request_generator(req.sampling.seed, "verify", len(self.caches[req.request_id].tokens))
-                verdicts.append(verify_stochastic(req.tree, probabilities(rows, req.sampling), gen))
-        return verdicts
+    def decide(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int]) -> list[Verdict]:
+        """Each request's accepted path and tokens, from its rows of the logits (starting at starts)."""
+        return verify_batch([r.tree for r in batch], logits, starts, [r.sampling for r in batch],
+                            [len(self.caches[r.request_id].tokens) for r in batch])

@@ -1,4 +1,5 @@
-"""Token tree verification (SpecInfer section 4.3): which path of a draft tree the LLM accepts.
+"""Token tree verification (SpecInfer section 4.3): which path of each draft tree the LLM accepts,
+for a whole batch at once, as tensor operations on the device that holds the logits.
 
 Both rules walk down from the root. At the current node the LLM's next-token distribution (one row
 of the tree-decoding output) decides whether one of the node's children is accepted; if one is, the
@@ -6,7 +7,9 @@ walk descends into it, otherwise it stops and the LLM emits one token of its own
 A step therefore emits len(path) + 1 tokens, and the bonus becomes the root of the next tree.
 
 Greedy: accept the child whose token is the LLM's argmax. Output equals incremental greedy
-decoding token for token.
+decoding token for token. Batched: node u matches when its token is the argmax at its parent; it
+is accepted when it and all its ancestors match (one gather per tree level); the deepest accepted
+node's argmax is the bonus.
 
 Stochastic, multi-step speculative sampling (MSS). p: the LLM's distribution at the node after the
 request's sampling transforms. The node's draft groups are tried in order; each draw x from q:
@@ -17,15 +20,25 @@ If every draw is rejected the bonus is sampled from the final p. Every emitted t
 the LLM's own distribution exactly, for i.i.d. draws (replacement), for sequential draws without
 replacement from one q (as in SpecTr / Sequoia), and for any mix of groups from several SSMs,
 because each draw's q is exactly the distribution it was drawn from given the draws before it.
+Batched: every request walks at once; the loops run over tree depth and over the draws of one
+node (both bounded by the tree shape, not by the batch), each step a few ops over [B, V].
+r and the bonus come from the counter-based generator (sampling.uniform) keyed by the request's
+seed and position, counted by depth and draw, so a request's tokens do not depend on its batch.
+
+Only the verdicts leave the device: per request the accepted nodes and the bonus, one copy.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-from .tree import TokenTree
+from .sampling import SamplingParams, probabilities, sample, stream_key, uniform
+from .tree import TokenTree, depths
+
+BONUS_DRAW = 1 << 16  # the draw counter of the bonus token (real draws of a node count from 0)
 
 
 @dataclass
@@ -34,55 +47,155 @@ class Verdict:
     tokens: list[int]  # the accepted nodes' tokens followed by the bonus token
 
 
-def _verdict(tree: TokenTree, path: list[int], bonus: int) -> Verdict:
-    return Verdict(path, [tree.tokens[u] for u in path] + [bonus])
+def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[int],
+                 sampling: list[SamplingParams], positions: list[int]) -> list[Verdict]:
+    """logits [R, V]: request b's rows are row_starts[b] (after the root) and row_starts[b] + 1 + u
+    (after node u). positions[b]: the request's record length, which keys its random numbers.
+    Returns each request's verdict after one copy of the verdicts to the host."""
+    n = max((len(t) for t in trees), default=0)
+    dev = logits.device
+    greedy = [b for b, s in enumerate(sampling) if s.greedy]
+    sampled = [b for b, s in enumerate(sampling) if not s.greedy]
+    out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev)  # [B, bonus + accepted flags]
+    for part, rule in ((greedy, _greedy), (sampled, _stochastic)):
+        if part:
+            table = _Table.build([trees[b] for b in part], [row_starts[b] for b in part], n, dev)
+            keys = [stream_key(sampling[b].seed, "verify", positions[b]) for b in part]
+            out[torch.tensor(part).to(dev, non_blocking=True)] = rule(table, logits, [sampling[b] for b in part], keys)
+    verdicts = []
+    for tree, row in zip(trees, out.cpu().tolist()):  # the step's one synchronization
+        path = [u for u in range(len(tree)) if row[1 + u]]  # a chain, so index order is root first
+        verdicts.append(Verdict(path, [tree.tokens[u] for u in path] + [row[0]]))
+    return verdicts
 
 
-def verify_greedy(tree: TokenTree, argmax: list[int]) -> Verdict:
-    """argmax[0]: the LLM's argmax after the root; argmax[1 + u]: after node u."""
-    assert len(argmax) == len(tree) + 1
-    path, u = [], -1
-    while True:
-        target = argmax[u + 1]
-        child = tree.child_with_token(u, target)
-        if child is None:
-            return _verdict(tree, path, target)
-        path.append(child)
-        u = child
+@dataclass
+class _Table:
+    """Trees padded to n nodes; node -1 (the root) is column 0 of `rows`, node u column u + 1."""
+
+    tokens: torch.Tensor  # [B, n] (padding: -1, never a token)
+    parents: torch.Tensor  # [B, n] (padding: -1)
+    rows: torch.Tensor  # [B, 1 + n] logits row of the root and of each node (padding: the root's)
+    depth: int  # the deepest node's depth
+    trees: list[TokenTree]
+
+    @classmethod
+    def build(cls, trees: list[TokenTree], row_starts: list[int], n: int, dev) -> "_Table":
+        tokens = [t.tokens + [-1] * (n - len(t)) for t in trees]
+        parents = [t.parents + [-1] * (n - len(t)) for t in trees]
+        rows = [[r + (u if u <= len(t) else 0) for u in range(1 + n)] for t, r in zip(trees, row_starts)]
+        depth = max((max(depths(t.parents), default=0) for t in trees), default=0)
+        to = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
+        return cls(to(tokens), to(parents), to(rows), depth, trees)
 
 
-def verify_stochastic(tree: TokenTree, probs: torch.Tensor, gen: torch.Generator) -> Verdict:
-    """probs [1 + n, V]: the LLM's transformed distribution after the root (row 0) and after each
-    node u (row 1 + u). gen: the request's verification generator."""
-    assert probs.shape[0] == len(tree) + 1, (probs.shape, len(tree))
-    path, u = [], -1
-    while True:
-        p = probs[u + 1].double()
-        accepted = None
-        for group in tree.groups_of(u):
-            q = torch.zeros_like(p)
-            q[group.q_ids] = torch.tensor(group.q_probs, dtype=p.dtype)
-            for child in group.children:
-                x = tree.tokens[child]
-                r = torch.rand((), generator=gen, dtype=torch.float64)
-                if r * q[x] <= p[x]:
-                    accepted = child
-                    break
-                p = _normalized(torch.clamp(p - q, min=0.0), fallback=p)
-                if not group.replacement:
-                    q[x] = 0.0
-                    q = _normalized(q, fallback=q)
-            if accepted is not None:
-                break
-        if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=gen))
-            return _verdict(tree, path, bonus)
-        path.append(accepted)
-        u = accepted
+def _greedy(t: _Table, logits: torch.Tensor, sampling, keys) -> torch.Tensor:
+    target = logits.argmax(dim=-1)[t.rows]  # [B, 1 + n]: the LLM's argmax after the root and each node
+    match = t.tokens == target.gather(1, t.parents + 1)  # [B, n]
+    ok = match
+    for _ in range(t.depth - 1):  # after i rounds, nodes down to depth i + 1 are settled
+        ok = match & torch.cat([torch.ones_like(ok[:, :1]), ok], dim=1).gather(1, t.parents + 1)
+    n = ok.shape[1]
+    index = torch.where(ok, torch.arange(n, device=ok.device), -1)
+    none = torch.full((index.shape[0], 1), -1, dtype=index.dtype, device=index.device)
+    deepest = torch.cat([none, index], dim=1).amax(dim=1)  # DFS order: the deepest accepted node is the last
+    bonus = target.gather(1, (deepest + 1)[:, None])
+    return torch.cat([bonus, ok.long()], dim=1)
 
 
-def _normalized(v: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    # The residual has zero mass only when p <= q everywhere, in which case the draw is accepted
-    # with probability 1; rounding can still get here, and then p is left as it was.
-    s = v.sum()
-    return v / s if s > 0 else fallback
+def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], keys: list[int]) -> torch.Tensor:
+    dev = logits.device
+    B, n = t.tokens.shape
+    draws = _Draws.build(t.trees, n, dev)
+    key = torch.tensor(keys, dtype=torch.long).to(dev, non_blocking=True)
+    batch = torch.arange(B, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # the current node + 1 (0: the root)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    accepted = torch.zeros(B, n, dtype=torch.bool, device=dev)
+    bonus = torch.zeros(B, dtype=torch.long, device=dev)
+    for depth in range(t.depth + 1):
+        p = probabilities(logits[t.rows[batch, cur]], sampling).double()  # [B, V] at the current nodes
+        q_ids = torch.zeros(B, draws.q_ids.shape[1], dtype=torch.long, device=dev)
+        q = torch.zeros(B, draws.q_ids.shape[1], dtype=torch.float64, device=dev)
+        child = torch.full((B,), -1, dtype=torch.long, device=dev)
+        start, count = draws.start.gather(1, cur[:, None])[:, 0], draws.count.gather(1, cur[:, None])[:, 0]
+        widest = draws.widest[depth]
+        counters = torch.tensor([*range(widest), BONUS_DRAW]).to(dev, non_blocking=True)
+        r = uniform(key[:, None], depth, counters)  # [B, widest + 1]: each draw's r, then the bonus's
+        for j in range(widest):
+            live = (j < count) & ~done & (child < 0)
+            d = (start + j).clamp(max=draws.child.shape[1] - 1)[:, None]
+            g, x_node, first = draws.group.gather(1, d)[:, 0], draws.child.gather(1, d)[:, 0], draws.first.gather(1, d)
+            x = t.tokens.gather(1, x_node[:, None]).clamp(min=0)  # [B, 1] (padding: any token, not live)
+            q_ids = torch.where(first, draws.q_ids[g], q_ids)  # a group's first draw: q is the group's
+            q = torch.where(first, draws.q_probs[g], q)
+            qx = (q * (q_ids == x)).sum(dim=1)
+            px = p.gather(1, x)[:, 0]
+            take = live & (r[:, j] * qx <= px)
+            child = torch.where(take, x_node, child)
+            reject = (live & ~take)[:, None]
+            p = torch.where(reject, _residual(p, torch.zeros_like(p).scatter_add(1, q_ids, q)), p)
+            without = q.masked_fill(q_ids == x, 0.0)
+            left = without.sum(dim=1, keepdim=True)
+            q = torch.where(reject & ~draws.replacement[g][:, None] & (left > 0), without / left, q)
+        took = child >= 0
+        stop = ~done & ~took
+        bonus = torch.where(stop, sample(p, r[:, -1]), bonus)
+        accepted |= took[:, None] & (torch.arange(n, device=dev) == child[:, None])
+        cur = torch.where(took, child + 1, cur)
+        done |= stop
+    return torch.cat([bonus[:, None], accepted.long()], dim=1)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) per row of [B, V]. Its mass is zero only when p <= q everywhere
+    (then the draw was certain to be accepted); rounding can still get there, and then p stays."""
+    residual = (p - q).clamp(min=0.0)
+    mass = residual.sum(dim=1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
+
+
+@dataclass
+class _Draws:
+    """Every draw of every tree, per request in the order MSS tries them: by node, then by group
+    (in the tree's group order), then in draw order. Draws of node u+1's column are
+    start[b, u + 1] .. start + count - 1."""
+
+    child: torch.Tensor  # [B, M] the drawn node
+    group: torch.Tensor  # [B, M] its group (row of q_ids / q_probs)
+    first: torch.Tensor  # [B, M] bool: the first draw of its group
+    start: torch.Tensor  # [B, 1 + n]
+    count: torch.Tensor  # [B, 1 + n]
+    q_ids: torch.Tensor  # [G, K] each group's sparse q (padding: id 0, probability 0)
+    q_probs: torch.Tensor  # [G, K] float64
+    replacement: torch.Tensor  # [G] bool
+    widest: list[int]  # per depth (the root's: 0), the most draws of one node there
+
+    @classmethod
+    def build(cls, trees: list[TokenTree], n: int, dev) -> "_Draws":
+        child, group, first, start, count = [], [], [], [], []
+        q_ids, q_probs, replacement = [[0]], [[0.0]], [False]  # group 0: padding
+        widest = [0] * (1 + max((max(depths(t.parents), default=0) for t in trees), default=0))
+        for tree in trees:
+            by_node: list[list] = [[] for _ in range(1 + n)]
+            for g in tree.groups:
+                gi = len(q_ids)
+                q_ids.append(g.q_ids)
+                q_probs.append(g.q_probs)
+                replacement.append(g.replacement)
+                by_node[g.parent + 1] += [(c, gi, i == 0) for i, c in enumerate(g.children)]
+            flat = [d for node in by_node for d in node]
+            child.append([c for c, _, _ in flat])
+            group.append([g for _, g, _ in flat])
+            first.append([f for _, _, f in flat])
+            count.append([len(node) for node in by_node])
+            for d, c in zip([0, *depths(tree.parents)], count[-1]):
+                widest[d] = max(widest[d], c)
+            start.append([0, *itertools.accumulate(count[-1][:-1])])
+        m = max(1, max(map(len, child)))
+        k = max(map(len, q_ids))
+        pad = lambda rows, w, v: [r + [v] * (w - len(r)) for r in rows]
+        to = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        return cls(to(pad(child, m, 0)), to(pad(group, m, 0)), to(pad(first, m, False), torch.bool),
+                   to(start), to(count), to(pad(q_ids, k, 0)), to(pad(q_probs, k, 0.0), torch.float64),
+                   to(replacement, torch.bool), widest)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from specinfer.cli import models_dir
 from specinfer.model import LlamaModel, ModelConfig
-from specinfer.tree import TokenTree, ancestor_mask, dfs_order, reorder
+from specinfer.tree import TokenTree, ancestor_bits, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 
@@ -70,10 +70,10 @@ def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv
     for b in range(batch):
         blocks = order[b * per:(b + 1) * per]
         if tree == 1:
-            views.append(RequestView(blocks, prefix, 1, prefix + 1, torch.zeros(0, 0, dtype=torch.bool)))
+            views.append(RequestView(blocks, prefix, 1, prefix + 1, []))
         else:
             parents = random_tree(rng, tree, 2).parents
-            views.append(RequestView(blocks, prefix, 0, prefix, ancestor_mask(parents, torch.zeros(0, 0, dtype=torch.bool))))
+            views.append(RequestView(blocks, prefix, 0, prefix, ancestor_bits(parents)))
     tb = TreeBatch.build(views, bs, device)
     q = torch.randn(tb.host_q_starts[-1], hq, d, dtype=dtype, device=device)
     k = torch.randn(per * batch, bs, hkv, d, dtype=dtype, device=device)
@@ -90,14 +90,14 @@ def dense_inputs(q, k, v, tb: TreeBatch):
     kd, vd = q.new_zeros(B, hkv, t_max, d), q.new_zeros(B, hkv, t_max, d)
     mask = torch.zeros(B, 1, n_q, t_max, dtype=torch.bool, device=q.device)
     mask[..., 0] = True  # padded query rows see one key (their output is ignored)
+    visible = tb.visible(t_max)
     for b, n in enumerate(tb.host_seq_lens):
         a, e = tb.host_q_starts[b], tb.host_q_starts[b + 1]
         blocks = tb.block_tables[b, : -(-n // tb.block_size)]
         qd[b, :, : e - a] = q[a:e].transpose(0, 1)
         kd[b, :, :n] = k[blocks].flatten(0, 1)[:n].transpose(0, 1)
         vd[b, :, :n] = v[blocks].flatten(0, 1)[:n].transpose(0, 1)
-        m = tb.masks[b]
-        mask[b, 0, : e - a, :n] = True if m is None else m
+        mask[b, 0, : e - a] = visible[a:e]
     return qd, kd, vd, mask
 
 

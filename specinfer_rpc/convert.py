@@ -17,7 +17,8 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
-    """Raises ValueError ("tree: ...") when the parents are not a tree in DFS order."""
+    """Raises ValueError ("tree: ...") when a parent does not precede its child or a draft group names
+    a node outside the tree (the verifier checks the rest: `specinfer.tree.check_verifiable`)."""
     groups = [DraftGroup(g.parent, list(g.q_token_ids), list(g.q_probs), list(g.children), g.replacement)
               for g in pb.draft_groups]
     tree = TokenTree(list(pb.token_ids), list(pb.parents), groups)

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from specinfer.tree import ancestor_mask
-from specinfer_kernels import RequestView, TreeBatch, pack_bits, tree_attention_reference, unpack_bits
+from specinfer.tree import ancestor_bits
+from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 from specinfer_kernels.tree_attention_triton import tree_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,8 +22,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def tree_rows(parents: list[int], n_old: int) -> torch.Tensor:
-    return ancestor_mask(parents, torch.zeros(0, 0, dtype=torch.bool))[n_old:] if parents else torch.zeros(0, 0, dtype=torch.bool)
+def tree_rows(parents: list[int], n_old: int) -> list[int]:
+    return ancestor_bits(parents)[n_old:]
 
 
 def random_parents(rng: random.Random, n: int, shape: str) -> list[int]:
@@ -74,9 +74,19 @@ def dense_attention(q, k_cache, v_cache, view: RequestView, block_size: int, par
     return torch.stack(out)
 
 
-def test_bits_round_trip():
-    rows = torch.rand(7, 300) < 0.3
-    assert torch.equal(unpack_bits(pack_bits(rows, 10), 300), rows)
+def test_visible_keys_are_the_prefix_plus_exactly_each_nodes_ancestors_over_many_words():
+    """A 300-node tree (10 bit words per query) after a 5-token prefix: the batch's mask is the
+    committed prefix plus, over the tree's slots, the ancestor-or-self matrix spelled out."""
+    parents = random_parents(random.Random(0), 300, "random")
+    batch = TreeBatch.build([RequestView(list(range(20)), 5, 0, 5, tree_rows(parents, 0))], 16)
+    want = torch.zeros(300, 305, dtype=torch.bool)
+    want[:, :5] = True
+    for u in range(300):
+        v = u
+        while v >= 0:
+            want[u, 5 + v] = True
+            v = parents[v]
+    assert torch.equal(batch.visible(305).cpu(), want)
 
 
 @pytest.mark.parametrize("committed,old,new,shape", [

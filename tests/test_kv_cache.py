@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specinfer.generate import Engine, Mode, Request
-from specinfer.kv_cache import CacheFull, KVPool
+from specinfer.kv_cache import CacheFull, KVPool, commit_all
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
@@ -45,23 +45,31 @@ def test_blocks_are_taken_as_slots_grow_and_given_back():
     assert len(pool.free) == 8, "a dropped cache returns its blocks"
 
 
-def test_commit_moves_accepted_entries_across_blocks():
-    pool = KVPool(2, 2, 4, torch.float32, tokens=6 * 4, block_size=4)
+def entries(pool: KVPool, cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V entries [layers, len(slots), Hkv, D] of a cache's slots."""
+    at = cache.pool_slots(slots)
+    return tuple(x.view(x.shape[0], -1, *x.shape[3:])[:, at].clone() for x in (pool.k, pool.v))
+
+
+def test_commit_moves_accepted_entries_across_blocks_for_many_caches_at_once():
+    pool = KVPool(2, 2, 4, torch.float32, tokens=12 * 4, block_size=4)
     pool.k.copy_(torch.randn_like(pool.k))
     pool.v.copy_(torch.randn_like(pool.v))
-    cache = pool.new_cache()
-    cache.extend(6, [], [])
-    cache.extend(0, [1, 2, 3, 4, 5, 6, 7], [-1, 0, -1, 2, 3, 3, 5])  # slots 6..12
-    path = [2, 3, 5, 6]
-    src = cache.locate(torch.tensor([6 + u for u in path]))
-    want_k, want_v = pool.k[:, src[0], src[1]].clone(), pool.v[:, src[0], src[1]].clone()
-    kept = cache.locate(torch.arange(6))
-    before = pool.k[:, kept[0], kept[1]].clone()
-    cache.commit(path)
-    dst = cache.locate(torch.arange(6, 10))
-    assert cache.length == 10 and len(cache.tree) == 0
-    assert torch.equal(pool.k[:, dst[0], dst[1]], want_k) and torch.equal(pool.v[:, dst[0], dst[1]], want_v)
-    assert torch.equal(pool.k[:, kept[0], kept[1]], before)
+    caches, paths, want, kept = [], [[2, 3, 5, 6], [0, 1]], [], []
+    for prefix in (6, 3):
+        cache = pool.new_cache()
+        cache.extend(prefix, [], [])
+        cache.extend(0, [1, 2, 3, 4, 5, 6, 7], [-1, 0, -1, 2, 3, 3, 5])  # slots prefix .. prefix + 6
+        caches.append(cache)
+    for cache, path in zip(caches, paths):
+        want.append(entries(pool, cache, [cache.length + u for u in path]))
+        kept.append(entries(pool, cache, range(cache.length)))
+    commit_all(caches, paths)
+    for cache, path, prefix, w, k in zip(caches, paths, (6, 3), want, kept):
+        assert cache.length == prefix + len(path) and len(cache.tree) == 0
+        got = entries(pool, cache, range(prefix, prefix + len(path)))
+        assert torch.equal(got[0], w[0]) and torch.equal(got[1], w[1])
+        assert torch.equal(entries(pool, cache, range(prefix))[0], k[0])
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,8 @@ def test_full_pool_refuses_a_step_and_changes_nothing(llm):
     verifier.step([VerifyRequest("a", list(range(1, 40)))])  # 39 slots (+1 bonus token pending): 3 of 4 blocks
     free, record = list(verifier.pool.free), list(verifier.caches["a"].tokens)
     with pytest.raises(CacheFull, match="needs 2 more blocks"):
-        verifier.step([VerifyRequest("a", [], TokenTree([5] * 10, [-1] * 10)), VerifyRequest("b", [1, 2, 3])])
+        verifier.step([VerifyRequest("a", [], TokenTree(list(range(5, 15)), [-1] * 10)),
+                       VerifyRequest("b", [1, 2, 3])])
     assert verifier.pool.free == free and verifier.caches["a"].tokens == record and "b" not in verifier.caches
     verifier.release("a")
     assert len(verifier.pool.free) == 4
@@ -86,8 +95,9 @@ def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, 
     emits exactly the tokens of transformers' incremental greedy decoding, and frees every block."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(MODELS / "llm", dtype=torch.float32).eval()
-    llm = LlamaModel.from_pretrained(MODELS / "llm")
-    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton needs CUDA tensors unless interpreted
+    llm = LlamaModel.from_pretrained(MODELS / "llm", device=device)
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0", device=device)
     prompts = heldout_ids[:2]
     want = [hf_greedy(hf, p, 12, eos=llm.cfg.eos_token_ids[0]) for p in prompts]
     import specinfer_kernels.tree_attention_triton as kernel_module

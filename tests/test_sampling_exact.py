@@ -21,12 +21,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specinfer import verifier as verifier_module
+from specinfer import verify as verify_module
 from specinfer.generate import Engine, Mode, Request
 from specinfer.kv_cache import KVPool
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams, probabilities
-from specinfer.verify import Verdict
 
 from .conftest import save_random_llama
 
@@ -41,13 +40,15 @@ class MarkovModel:
     def new_pool(self, tokens: int) -> KVPool:
         return KVPool(1, 1, 1, torch.float32, tokens=1 << 22)  # one float per slot: room for any test batch
 
-    def __call__(self, items):
-        out = []
+    def __call__(self, items, ids=None):
+        flat = ids.tolist() if ids is not None else [t for it in items for t in it.new_tokens + it.tree_tokens]
+        rows, offset = [], 0
         for it in items:
             it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
-            rows = it.new_tokens[-1:] + it.tree_tokens
-            out.append(self.logits[rows])
-        return out
+            n = len(it.new_tokens) + len(it.tree_tokens)
+            rows += flat[offset + max(len(it.new_tokens) - 1, 0): offset + n]
+            offset += n
+        return self.logits[rows]
 
 
 def random_chain(seed: int, vocab: int, sharpness: float) -> torch.Tensor:
@@ -128,27 +129,13 @@ def test_markov_emitted_tokens_follow_the_llm_distribution(name):
     assert chi_square_pvalue(samples, markov_exact(P_LLM, 0, params, skip=1, keep=3)) > ALPHA
 
 
-def verify_without_residual(tree, probs, gen) -> Verdict:
+def no_residual(p, q):
     """WRONG on purpose: after a rejection the next draft is tested against p, not the residual."""
-    path, u = [], -1
-    while True:
-        p = probs[u + 1].double()
-        accepted = None
-        for group in tree.groups_of(u):
-            q = dict(zip(group.q_ids, group.q_probs))
-            for child in group.children:
-                x = tree.tokens[child]
-                if accepted is None and torch.rand((), generator=gen, dtype=torch.float64) * q[x] <= p[x]:
-                    accepted = child
-        if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=gen))
-            return Verdict(path, [tree.tokens[x] for x in path] + [bonus])
-        path.append(accepted)
-        u = accepted
+    return p
 
 
 def test_chi_square_rejects_a_rule_without_the_residual_update(monkeypatch):
-    monkeypatch.setattr(verifier_module, "verify_stochastic", verify_without_residual)
+    monkeypatch.setattr(verify_module, "_residual", no_residual)
     llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
     gens = run(llm, ssms, Mode.MERGED, [2, 2, 2], T08, n=6000)
     samples = [tuple(g.token_ids[1:4]) for g in gens]

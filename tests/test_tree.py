@@ -3,9 +3,8 @@
 import random
 
 import pytest
-import torch
 
-from specinfer.tree import TokenTree, ancestor_mask, dfs_order, merge, parse_expansion, reorder
+from specinfer.tree import TokenTree, ancestor_bits, depths, dfs_order, merge, parse_expansion, reorder
 
 from .conftest import path_to
 
@@ -67,17 +66,17 @@ def test_dfs_reorder_preserves_paths_and_is_dfs(seed):
     assert is_dfs(t.parents)
 
 
-def test_ancestor_mask_marks_exactly_ancestors_and_self():
+def test_ancestor_bits_mark_exactly_ancestors_and_self_and_depths_count_them():
     tree = random_tree(random.Random(3), 14)
-    mask = ancestor_mask(tree.parents)
+    rows = ancestor_bits(tree.parents)
     for u in range(len(tree)):
-        assert set(torch.nonzero(mask[u]).flatten().tolist()) == set(path_to(tree, u))
+        assert {v for v in range(len(tree)) if rows[u] >> v & 1} == set(path_to(tree, u))
+        assert depths(tree.parents)[u] == len(path_to(tree, u))
 
 
-def test_ancestor_mask_grows_level_by_level_as_from_scratch():
+def test_ancestor_bits_grow_level_by_level_as_from_scratch():
     tree = random_tree(random.Random(5), 16)
-    full = ancestor_mask(tree.parents)
-    assert torch.equal(ancestor_mask(tree.parents, ancestor_mask(tree.parents[:7])), full)
+    assert ancestor_bits(tree.parents, ancestor_bits(tree.parents[:7])) == ancestor_bits(tree.parents)
 
 
 def test_parse_expansion():

@@ -29,6 +29,11 @@ SHAPES = {
 }
 
 
+def per_item(model, items: list[StepInput]) -> list[torch.Tensor]:
+    """The forward's logits [R, V], split into each item's rows."""
+    return list(model(items).split([it.n_rows for it in items]))
+
+
 def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0, -1].float()
@@ -40,7 +45,7 @@ def check_batch(hf, model, rng, prefix_lens, shapes):
     caches = [pool.new_cache() for _ in prefix_lens]
     prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in prefix_lens]
     trees = [SHAPES[s](rng, vocab) for s in shapes]
-    out = model([StepInput(c, p, t.tokens, t.parents) for c, p, t in zip(caches, prefixes, trees)])
+    out = per_item(model, [StepInput(c, p, t.tokens, t.parents) for c, p, t in zip(caches, prefixes, trees)])
     for prefix, tree, logits in zip(prefixes, trees, out):
         assert logits.shape == (len(tree) + 1, vocab)
         torch.testing.assert_close(logits[0], reference_logits(hf, prefix), atol=ATOL, rtol=0)
@@ -74,7 +79,7 @@ def test_committed_path_kv_serves_the_next_step(tiny_pair):
         nxt = random_tree(rng, 10, model.cfg.vocab_size)
         records.append((prefix + [tree.tokens[u] for u in path] + [bonus], nxt))
         items.append(StepInput(cache, [bonus], nxt.tokens, nxt.parents))
-    for (record, nxt), logits in zip(records, model(items)):
+    for (record, nxt), logits in zip(records, per_item(model, items)):
         torch.testing.assert_close(logits[0], reference_logits(hf, record), atol=ATOL, rtol=0)
         for u, path in enumerate(nxt.paths()):
             torch.testing.assert_close(logits[1 + u], reference_logits(hf, record + list(path)), atol=ATOL, rtol=0)
@@ -87,8 +92,8 @@ def test_ssm_style_level_by_level_growth_matches_causal_decoding(tiny_pair):
     cache = model.new_pool(4096).new_cache()
     prefix = [3, 1, 4, 1, 5]
     model([StepInput(cache, prefix, [], [])])
-    level1 = model([StepInput(cache, [], [9, 2], [-1, -1])])[0]
-    level2 = model([StepInput(cache, [], [6, 5, 3], [0, 0, 1])])[0]
+    level1 = model([StepInput(cache, [], [9, 2], [-1, -1])])
+    level2 = model([StepInput(cache, [], [6, 5, 3], [0, 0, 1])])
     for row, path in zip(list(level1) + list(level2), [[9], [2], [9, 6], [9, 5], [2, 3]]):
         torch.testing.assert_close(row, reference_logits(hf, prefix + path), atol=ATOL, rtol=0)
 

@@ -75,6 +75,10 @@ class ParallelVerifier:
 
     def __init__(self, model_dir: str, tp: int, pp: int, dtype: torch.dtype, device: torch.device,
                  kv_tokens: int, threads: int = 0, timeout_s: float = 30.0):
+        gpus = torch.cuda.device_count()
+        if device.type == "cuda" and device.index is None and gpus < tp * pp:
+            raise ValueError(f"--tp {tp} --pp {pp}: {tp * pp} ranks need as many GPUs (NCCL runs one rank per "
+                             f"GPU), this host has {gpus}; run them on the CPU with --device cpu (gloo)")
         ctx = mp.get_context("spawn")
         build_args = (f"tcp://127.0.0.1:{_free_port()}", timeout_s, str(model_dir), dtype, device, kv_tokens, threads)
         self.procs, self.conns = [], []

@@ -1,0 +1,126 @@
+"""Host work per step: aten ops dispatched and host synchronizations per verifier step and per
+speculator draft, at several batch sizes, on the shipped models (and, beside them, the step's
+median wall time on this machine).
+
+On a GPU every aten op is (at least) one kernel launch issued from Python, so ops per step is the
+proxy for launch overhead that holds on any device, and it must not grow with the batch. A host
+synchronization is an op that makes the host wait for the device: reading a tensor's values
+(`.item()`, `.tolist()`, a copy to the CPU: `aten::_local_scalar_dense`, `aten::_to_copy` to the
+CPU), or an op whose output size depends on values (`aten::nonzero`, boolean-mask indexing). On
+the CPU they cost nothing, but they are counted the same way.
+
+    python -m specinfer_bench.ops --out bench/results/ops_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specinfer.cli import models_dir
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+from specinfer.speculator import DraftRequest, Speculator
+from specinfer.tree import DraftGroup, TokenTree
+from specinfer.verifier import Verifier, VerifyRequest
+
+from .kernel import random_tree
+from .report import command_line, machine, median_ms
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::resolve_neg")  # item(); value-sized outputs; tolist(), numpy()
+
+
+def count(fn) -> tuple[int, int]:
+    """(aten ops, host synchronizations) dispatched by one call of fn."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+    syncs = sum(n in SYNC_OPS for n in names)
+    return len(names), syncs
+
+
+def verifier_step(llm: LlamaModel, batch: int, tree: int, temperature: float):
+    """A function that runs one verifier step over `batch` requests (32-token prompts, prefilled
+    here), each with a tree of the same `tree`-node shape and fresh random tokens; sampled trees get
+    one draft group per node."""
+    rng = random.Random(batch)
+    vocab = llm.cfg.vocab_size
+    verifier = Verifier(llm)
+    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
+    verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(32)], TokenTree(), params[i])
+                   for i in range(batch)])
+    shape = random_tree(random.Random(0), tree, 2).parents
+
+    def step():
+        trees = [TokenTree(rng.sample(range(vocab), len(shape)), shape) for _ in range(batch)]  # one node per path
+        if temperature:
+            for t in trees:
+                t.groups = [DraftGroup(p, [tok], [1.0], [u], False) for u, (tok, p) in enumerate(zip(t.tokens, t.parents))]
+        verifier.step([VerifyRequest(str(i), [], trees[i], params[i]) for i in range(batch)])
+    return step
+
+
+def speculator_draft(ssm: LlamaModel, batch: int, expansion: list[int], temperature: float):
+    """A function that runs one draft of `expansion` trees for `batch` requests, each told one new
+    token (their 32-token prompts are drafted from once here)."""
+    rng = random.Random(batch)
+    vocab = ssm.cfg.vocab_size
+    spec = Speculator(ssm)
+    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
+    spec.draft([DraftRequest(str(i), [rng.randrange(vocab) for _ in range(32)], expansion, params[i])
+                for i in range(batch)])
+    return lambda: spec.draft([DraftRequest(str(i), [rng.randrange(vocab)], expansion, params[i])
+                               for i in range(batch)])
+
+
+def measure(step, repeats: int) -> tuple[int, int, float]:
+    """(aten ops, host synchronizations, median ms) of one step."""
+    ops, syncs = count(step)
+    return ops, syncs, median_ms(step, repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--tree", type=int, default=8, help="verifier: nodes per request's tree")
+    ap.add_argument("--expansion", default="2,1,1", help="speculator: expansion config")
+    ap.add_argument("--repeats", type=int, default=10, help="steps timed per row (median reported)")
+    ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    llm = LlamaModel.from_pretrained(models_dir() / "llm")
+    ssm = LlamaModel.from_pretrained(models_dir() / "ssm-0")
+    expansion = [int(k) for k in args.expansion.split(",")]
+    rows = []
+    for temperature in (0.0, 0.8):
+        for b in [int(x) for x in args.batches.split(",")]:
+            v_ops, v_syncs, v_ms = measure(verifier_step(llm, b, args.tree, temperature), args.repeats)
+            s_ops, s_syncs, s_ms = measure(speculator_draft(ssm, b, expansion, temperature), args.repeats)
+            rows.append({"temperature": temperature, "batch": b, "verifier_ops": v_ops, "verifier_syncs": v_syncs,
+                         "verifier_ms": v_ms, "speculator_ops": s_ops, "speculator_syncs": s_syncs,
+                         "speculator_ms": s_ms})
+            print(rows[-1], flush=True)
+    meta = {"command": command_line("python -m specinfer_bench.ops", argv), "machine": machine(),
+            "tree": args.tree, "expansion": expansion}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        lines = [f"`{meta['command']}` on {meta['machine']}", "",
+                 f"Verifier step: {args.tree}-node trees; speculator: one <{args.expansion}> draft per request.", "",
+                 "Times are medians of wall time on this machine (noisy; the counts are exact).", "",
+                 "| T | batch | verifier ops | verifier syncs | verifier ms | speculator ops | speculator syncs | speculator ms |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['temperature']:g} | {r['batch']} | {r['verifier_ops']} | {r['verifier_syncs']} | "
+                  f"{r['verifier_ms']:.2f} | {r['speculator_ops']} | {r['speculator_syncs']} | {r['speculator_ms']:.2f} |"
+                  for r in rows]
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

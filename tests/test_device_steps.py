@@ -1,0 +1,169 @@
+"""Device-resident, batched steps: verification and tree drafting run as batched tensor ops on the
+model's device, with one host synchronization per step, and give what the per-request rules give.
+
+- Batched greedy verification equals the rule walked node by node in Python, on random trees.
+- Batched greedy drafting equals drafting each request alone, node by node, with transformers.
+- A seeded request's sampled tree is the same alone and in any batch.
+- A request re-drafted with no new tokens gets the same tree again (in-process and through the service).
+- Ops dispatched per verifier step and per speculator draft do not grow with the batch (torch.profiler
+  on the shipped models), and each makes exactly one host synchronization.
+"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+from specinfer.speculator import DraftRequest, Speculator
+from specinfer.tree import DraftGroup, TokenTree, merge
+from specinfer.verifier import Verifier, VerifyRequest
+from specinfer.verify import verify_batch
+from specinfer_bench import ops
+from specinfer_bench.kernel import random_tree
+from specinfer_rpc.convert import tree_from_pb
+from specinfer_rpc.launch import System
+from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
+
+from .conftest import MODELS
+
+
+def greedy_walk(tree: TokenTree, argmax: list[int]) -> tuple[list[int], int]:
+    """The rule spelled out: from the root, descend into the child whose token is the argmax."""
+    path, u = [], -1
+    while True:
+        child = next((c for c, p in enumerate(tree.parents) if p == u and tree.tokens[c] == argmax[u + 1]), None)
+        if child is None:
+            return path, argmax[u + 1]
+        path.append(child)
+        u = child
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_greedy_verification_equals_the_rule_walked_per_request(seed):
+    rng = random.Random(seed)
+    vocab = 5  # small, so that many nodes match and paths are long
+    trees = [merge([random_tree(rng, rng.choice([0, 1, 7, 30, 60]), vocab)]) for _ in range(16)]  # one node per path
+    starts, rows = [], 0
+    for t in trees:
+        starts.append(rows)
+        rows += 1 + len(t)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+    for t, start in zip(trees, starts):  # mostly, the LLM agrees with one child, so paths get long
+        for u in range(-1, len(t)):
+            kids = [c for c, p in enumerate(t.parents) if p == u]
+            if kids and rng.random() < 0.9:
+                logits[start + 1 + u, t.tokens[rng.choice(kids)]] += 10.0
+    verdicts = verify_batch(trees, logits, starts, [SamplingParams()] * len(trees), [0] * len(trees))
+    for t, start, v in zip(trees, starts, verdicts):
+        path, bonus = greedy_walk(t, logits[start: start + 1 + len(t)].argmax(-1).tolist())
+        assert v.path == path and v.tokens == [t.tokens[u] for u in path] + [bonus]
+    assert any(len(v.path) > 2 for v in verdicts), "some long accepted paths"
+
+
+@pytest.mark.parametrize("tree,message", [
+    (TokenTree([5, 5], [-1, -1]), "repeats token 5"),
+    (TokenTree([5], [-1], [DraftGroup(-1, [5, 10**6], [0.5, 0.5], [0], False)]), "q_token_ids: token id 1000000"),
+    (TokenTree([5], [-1], [DraftGroup(-1, [6], [1.0], [0], False)]), "positive probability"),
+    (TokenTree([5], [-1], [DraftGroup(-1, [5, 5], [0.5, 0.5], [0], False)]), "distinct"),
+])
+def test_trees_verification_cannot_handle_are_refused_naming_the_field_before_anything_changes(tree, message):
+    verifier = Verifier(LlamaModel.from_pretrained(MODELS / "llm"))
+    verifier.step([VerifyRequest("a", [1, 2, 3])])
+    record = list(verifier.caches["a"].tokens)
+    with pytest.raises(ValueError, match=f"^tree.*{message}"):
+        verifier.step([VerifyRequest("a", [], tree, SamplingParams(0.8))])
+    assert verifier.caches["a"].tokens == record
+
+
+def reference_draft(hf, prefix: list[int], expansion: list[int]) -> set[tuple[int, ...]]:
+    """Greedy expansion drafted alone with transformers: every node's children are the top-k of
+    the SSM after prefix + S_u. Returns the tree's paths S_u."""
+    paths, frontier = set(), [()]
+    for k in expansion:
+        nxt = []
+        for s in frontier:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prefix + list(s)])).logits[0, -1]
+            for t in logits.topk(k).indices.tolist():
+                nxt.append(s + (t,))
+        paths.update(nxt)
+        frontier = nxt
+    return paths
+
+
+def test_batched_greedy_drafting_equals_drafting_each_request_alone(heldout_ids):
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / "ssm-0", dtype=torch.float32).eval()
+    spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"))
+    expansions = [[2, 1, 1], [1, 1, 3, 1], [3, 2], [], [1]]
+    prompts = heldout_ids[:5]
+    batch = [DraftRequest(str(i), p, e) for i, (p, e) in enumerate(zip(prompts, expansions))]
+    first = spec.draft(batch)
+    # a second draft after a few committed tokens goes through the kept KV of the first tree
+    more = [t.tokens[:1] + [7] if len(t) else [7] for t in first]
+    second = spec.draft([DraftRequest(str(i), m, e) for i, (m, e) in enumerate(zip(more, expansions))])
+    for prompt, e, m, a, b in zip(prompts, expansions, more, first, second):
+        assert set(a.paths()) == reference_draft(hf, prompt, e)
+        assert set(b.paths()) == reference_draft(hf, prompt + m, e)
+        assert len(a.paths()) == len(set(a.paths())), "one node per path"
+
+
+def same_tree(a: TokenTree, b: TokenTree) -> bool:
+    """The same nodes and draws; q may differ in its last bits (other row counts round matmuls
+    differently)."""
+    return (a.tokens, a.parents) == (b.tokens, b.parents) and len(a.groups) == len(b.groups) and all(
+        (g.parent, g.children, g.q_ids, g.replacement) == (h.parent, h.children, h.q_ids, h.replacement)
+        and g.q_probs == pytest.approx(h.q_probs, abs=1e-5) for g, h in zip(a.groups, b.groups))
+
+
+def test_a_seeded_sampled_tree_is_the_same_alone_and_in_any_batch(heldout_ids):
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    mine = DraftRequest("me", heldout_ids[0], [2, 2, 1], params)
+    alone = Speculator(ssm).draft([mine])[0]
+    others = [DraftRequest(f"o{i}", p, [3, 1], SamplingParams(1.0, seed=i), replacement=bool(i % 2))
+              for i, p in enumerate(heldout_ids[1:5])]
+    crowd = Speculator(ssm).draft(others[:2] + [mine] + others[2:])[2]
+    assert alone.groups and same_tree(alone, crowd)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
+def test_redrafting_with_no_new_tokens_gives_the_same_tree(sampling):
+    spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"))
+    first = spec.draft([DraftRequest("a", [5, 6, 7, 8], [1, 1, 3], sampling)])[0]
+    again = spec.draft([DraftRequest("a", [], [1, 1, 3], sampling)])[0]
+    assert len(first) == 5 or not sampling.greedy
+    assert same_tree(again, first)
+
+
+def test_the_speculator_service_redrafts_a_request_with_no_new_tokens():
+    system = System()
+    try:
+        svc = system.start("speculator", "speculator_svc", ["--ssm", str(MODELS / "ssm-0"), "--port", "0",
+                                                           "--metrics-port", "0", "--threads", "1"], 120)
+        update = lambda tokens: speculator_pb2.DraftUpdate(request_id="a", new_token_ids=tokens, expansion=[1, 1, 3])
+        requests = [speculator_pb2.SpeculateRequest(iteration=i, updates=[update(t)])
+                    for i, t in enumerate([[5, 6, 7, 8], [], []])]
+        with grpc.insecure_channel(svc.address) as channel:
+            answers = list(speculator_pb2_grpc.SpeculatorStub(channel).Speculate(iter(requests), timeout=60))
+        trees = [tree_from_pb(a.trees[0].tree) for a in answers]
+        assert len(trees) == 3 and len(trees[0]) == 5 and same_tree(trees[0], trees[1]) and same_tree(trees[0], trees[2])
+    finally:
+        system.stop()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperature):
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    verifier = {b: ops.count(ops.verifier_step(llm, b, 8, temperature)) for b in (1, 32)}
+    speculator = {b: ops.count(ops.speculator_draft(ssm, b, [2, 1, 1], temperature)) for b in (1, 32)}
+    print(f"T={temperature}: verifier step (ops, syncs) {verifier}; speculator <2,1,1> draft {speculator}")
+    for counts in (verifier, speculator):
+        assert counts[32][0] <= 1.2 * counts[1][0]
+        assert counts[1][1] == counts[32][1] == 1
