@@ -64,6 +64,16 @@ class TokenTree:
         return [g for g in self.groups if g.parent == u]
 
 
+def check_groups(tree: TokenTree) -> None:
+    """Raise ValueError ("tree: ...") unless every draft group names nodes of the tree and gives one
+    probability per q id."""
+    for g in tree.groups:
+        if not -1 <= g.parent < len(tree) or any(not 0 <= c < len(tree) for c in g.children):
+            raise ValueError("tree: a draft group names a node outside the tree")
+        if len(g.q_ids) != len(g.q_probs):
+            raise ValueError("tree: a draft group's q_token_ids and q_probs differ in length")
+
+
 def check_verifiable(tree: TokenTree) -> None:
     """Raise ValueError ("tree: ...") unless the tree is what verification assumes: one node per
     path (no two children of a node with the same token), and every draft group's draws are
@@ -73,11 +83,10 @@ def check_verifiable(tree: TokenTree) -> None:
         if (p, t) in seen:
             raise ValueError(f"tree: node {u} repeats token {t} under parent {p} (one node per path)")
         seen.add((p, t))
+    check_groups(tree)
     for g in tree.groups:
-        if not -1 <= g.parent < len(tree) or any(not 0 <= c < len(tree) for c in g.children):
-            raise ValueError("tree: a draft group names a node outside the tree")
-        if len(g.q_ids) != len(g.q_probs) or len(set(g.q_ids)) != len(g.q_ids):
-            raise ValueError("tree: a draft group's q_token_ids must be distinct, one per q_probs entry")
+        if len(set(g.q_ids)) != len(g.q_ids):
+            raise ValueError("tree: a draft group's q_token_ids must be distinct")
         if not all(0.0 <= q < float("inf") for q in g.q_probs):
             raise ValueError("tree: a draft group's q_probs must be finite and >= 0")
         q = dict(zip(g.q_ids, g.q_probs))

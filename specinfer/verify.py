@@ -76,17 +76,19 @@ class _Table:
     tokens: torch.Tensor  # [B, n] (padding: -1, never a token)
     parents: torch.Tensor  # [B, n] (padding: -1)
     rows: torch.Tensor  # [B, 1 + n] logits row of the root and of each node (padding: the root's)
-    depth: int  # the deepest node's depth
     trees: list[TokenTree]
+    depths: list[list[int]]  # per tree, each node's depth (host)
+    depth: int  # the deepest node's depth
 
     @classmethod
     def build(cls, trees: list[TokenTree], row_starts: list[int], n: int, dev) -> "_Table":
         tokens = [t.tokens + [-1] * (n - len(t)) for t in trees]
         parents = [t.parents + [-1] * (n - len(t)) for t in trees]
         rows = [[r + (u if u <= len(t) else 0) for u in range(1 + n)] for t, r in zip(trees, row_starts)]
-        depth = max((max(depths(t.parents), default=0) for t in trees), default=0)
+        node_depths = [depths(t.parents) for t in trees]
+        depth = max((max(d, default=0) for d in node_depths), default=0)
         to = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
-        return cls(to(tokens), to(parents), to(rows), depth, trees)
+        return cls(to(tokens), to(parents), to(rows), trees, node_depths, depth)
 
 
 def _greedy(t: _Table, logits: torch.Tensor, sampling, keys) -> torch.Tensor:
@@ -106,7 +108,7 @@ def _greedy(t: _Table, logits: torch.Tensor, sampling, keys) -> torch.Tensor:
 def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], keys: list[int]) -> torch.Tensor:
     dev = logits.device
     B, n = t.tokens.shape
-    draws = _Draws.build(t.trees, n, dev)
+    draws = _Draws.build(t, dev)
     key = torch.tensor(keys, dtype=torch.long).to(dev, non_blocking=True)
     batch = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # the current node + 1 (0: the root)
@@ -172,11 +174,12 @@ class _Draws:
     widest: list[int]  # per depth (the root's: 0), the most draws of one node there
 
     @classmethod
-    def build(cls, trees: list[TokenTree], n: int, dev) -> "_Draws":
+    def build(cls, t: _Table, dev) -> "_Draws":
+        n = t.tokens.shape[1]
         child, group, first, start, count = [], [], [], [], []
         q_ids, q_probs, replacement = [[0]], [[0.0]], [False]  # group 0: padding
-        widest = [0] * (1 + max((max(depths(t.parents), default=0) for t in trees), default=0))
-        for tree in trees:
+        widest = [0] * (1 + t.depth)
+        for tree, node_depths in zip(t.trees, t.depths):
             by_node: list[list] = [[] for _ in range(1 + n)]
             for g in tree.groups:
                 gi = len(q_ids)
@@ -189,7 +192,7 @@ class _Draws:
             group.append([g for _, g, _ in flat])
             first.append([f for _, _, f in flat])
             count.append([len(node) for node in by_node])
-            for d, c in zip([0, *depths(tree.parents)], count[-1]):
+            for d, c in zip([0, *node_depths], count[-1]):
                 widest[d] = max(widest[d], c)
             start.append([0, *itertools.accumulate(count[-1][:-1])])
         m = max(1, max(map(len, child)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specinfer.sampling import SamplingParams
-from specinfer.tree import DraftGroup, TokenTree
+from specinfer.tree import DraftGroup, TokenTree, check_groups
 
 from .v1 import common_pb2
 
@@ -22,11 +22,7 @@ def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:
     groups = [DraftGroup(g.parent, list(g.q_token_ids), list(g.q_probs), list(g.children), g.replacement)
               for g in pb.draft_groups]
     tree = TokenTree(list(pb.token_ids), list(pb.parents), groups)
-    for g in groups:
-        if not -1 <= g.parent < len(tree) or any(not 0 <= c < len(tree) for c in g.children):
-            raise ValueError("tree: a draft group names a node outside the tree")
-        if len(g.q_ids) != len(g.q_probs):
-            raise ValueError("tree: a draft group's q_token_ids and q_probs differ in length")
+    check_groups(tree)
     return tree
 
 
