@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from specinfer.cli import models_dir
+from specinfer.checkpoints import models_dir
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
 from specinfer_rpc.security import BearerToken, channel_credentials

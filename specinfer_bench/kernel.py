@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specinfer.cli import models_dir
+from specinfer.checkpoints import models_dir
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.tree import TokenTree, ancestor_bits, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest

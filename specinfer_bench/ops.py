@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specinfer.cli import models_dir
+from specinfer.checkpoints import models_dir
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.cli import models_dir, resolve_device
+from specinfer.checkpoints import models_dir, resolve_device
 from specinfer.kv_cache import POOL_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree

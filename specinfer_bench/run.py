@@ -22,7 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from specinfer.cli import default_ssms, models_dir
+from specinfer.checkpoints import default_ssms, models_dir
 from specinfer.model import LlamaModel
 from specinfer.tree import tree_size
 

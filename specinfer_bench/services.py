@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.cli import default_ssms, models_dir
+from specinfer.checkpoints import default_ssms, models_dir
 from specinfer.generate import Request
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System

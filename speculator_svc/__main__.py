@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.cli import DTYPES, default_ssms, resolve_device
+from specinfer.checkpoints import DTYPES, default_ssms, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option

@@ -58,7 +58,7 @@ def test_rank_acceptance_of_a_model_against_itself_is_all_rank_one(tiny_pair):
 
 def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "specinfer", "bench", "--quick", "--no-services", "--prompts", "2",
+    proc = subprocess.run([sys.executable, "-m", "specinfer_cli", "bench", "--quick", "--no-services", "--prompts", "2",
                            "--max-new-tokens", "12", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

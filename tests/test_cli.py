@@ -17,7 +17,7 @@ from .conftest import MODELS, ROOT
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specinfer", "generate", *args],
+    return subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -58,7 +58,7 @@ def test_serve_answers_generate_server_like_in_process_and_stops_every_process_o
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p["prompt"]}) + "\n"
                                    for i, p in enumerate(heldout_prompts[:3])))
-    serve = subprocess.Popen([sys.executable, "-m", "specinfer", "serve", "--port", str(port)], cwd=ROOT,
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # started at once: generate --server waits for the manager to come up

@@ -36,7 +36,7 @@ def test_ghz_config_names_a_real_method_with_a_valid_body(path, system):
 
 
 def test_specinfer_loadtest_reports_a_bounded_run(system):
-    out = subprocess.run([sys.executable, "-m", "specinfer", "loadtest", "--server", system.manager.address,
+    out = subprocess.run([sys.executable, "-m", "specinfer_cli", "loadtest", "--server", system.manager.address,
                           "--concurrency", "4", "--duration", "4", "--max-new-tokens", "16"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.cli import DTYPES, models_dir, resolve_device
+from specinfer.checkpoints import DTYPES, models_dir, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.verifier import Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option

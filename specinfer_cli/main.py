@@ -17,29 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
-from .generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
-from .model import LlamaModel
-from .sampling import SamplingParams
-from .tree import parse_expansion
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is cuda when there is a GPU, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get("SPECINFER_MODELS", Path(__file__).resolve().parent.parent / "models"))
-
-
-def default_ssms() -> list[Path]:
-    return sorted(p for p in models_dir().glob("ssm-*") if (p / "config.json").exists())
+from specinfer.checkpoints import DTYPES, default_ssms, models_dir
+from specinfer.generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+from specinfer.tree import parse_expansion
 
 
 def load_prompts(args) -> list[tuple[str, str]]:
