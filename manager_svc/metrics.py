@@ -15,7 +15,7 @@ import collections
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from specinfer.tree import TokenTree
+from specinfer.tree import TokenTree, depths
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
 RUNNING = Gauge("specinfer_requests_running", "requests in the running batch")
@@ -40,18 +40,10 @@ ITERATION = Histogram("specinfer_iteration_seconds", "one scheduler iteration (d
                       buckets=LATENCY_BUCKETS)
 
 
-def depths(tree: TokenTree) -> list[int]:
-    """Depth of every node (1 for a child of the root); parents precede children."""
-    out: list[int] = []
-    for p in tree.parents:
-        out.append(out[p] + 1 if p >= 0 else 1)
-    return out
-
-
 def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float) -> None:
     """One request's step: the tree it verified, the tokens streamed, how many were drafts, and
     the time since its previous chunk (since acceptance for the first)."""
-    for d, n in collections.Counter(depths(tree)).items():  # one labelled update per depth, not per node
+    for d, n in collections.Counter(depths(tree.parents)).items():  # one labelled update per depth, not per node
         DRAFT_TOKENS.labels(str(d)).inc(n)
     for d in range(1, accepted + 1):
         ACCEPTED_TOKENS.labels(str(d)).inc()

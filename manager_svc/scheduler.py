@@ -24,6 +24,7 @@ Nothing here computes: the event loop only moves token IDs. It knows nothing of 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specinfer.generate import Request, append_tokens
-from specinfer.tree import TokenTree, fit_expansion, merge, tree_size
+from specinfer.tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
 from specinfer_rpc.server import Abort
 
 from . import metrics
@@ -50,16 +51,24 @@ class Chunk:
 
     tokens: list[int]
     finish_reason: str = ""
+    # for a request that asked for its draft trees: the tree this step verified, which speculators
+    # proposed each node (bit i: speculator i), and the nodes the verifier accepted
+    tree: TokenTree | None = None
+    proposers: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class Sequence:
     request: Request
     expansion: list[int] | None  # None: the server's, within the tree budget; [] none; else fixed
+    want_trees: bool = False  # stream each step's draft tree with its chunk
     generated: list[int] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk or Abort, for the stream
     steps: int = 0  # verifier steps, the prefill included
     accepted: int = 0  # draft tokens accepted
+    tree_steps: int = 0  # steps that verified a draft tree
+    no_tree: collections.Counter = field(default_factory=collections.Counter)  # why the other steps had none
     verifier_has: int = 0  # tokens of the record the verifier holds
     resyncs: int = 0
     kv_reserved: int = 0  # verifier KV slots reserved while running
@@ -116,14 +125,14 @@ class Scheduler:
         self.stats = Stats()
 
     # -- called by the servicer -------------------------------------------------------------
-    def submit(self, request: Request, expansion: list[int] | None) -> Sequence:
+    def submit(self, request: Request, expansion: list[int] | None, want_trees: bool = False) -> Sequence:
         request.id = request.id or uuid.uuid4().hex
         if request.id in self.running or any(s.id == request.id for s in self.waiting):
             raise Abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {request.id!r} is already running")
         if len(self.waiting) >= self.max_queue:
             raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"server busy: {len(self.waiting)} requests waiting (max_queue {self.max_queue})")
-        seq = Sequence(request, expansion)
+        seq = Sequence(request, expansion, want_trees)
         if self.kv_tokens and self._kv_need(seq) > self.kv_tokens:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt)}) + max_new_tokens "
                              f"({request.max_new_tokens}) + draft tree need {self._kv_need(seq)} KV slots; "
@@ -166,7 +175,7 @@ class Scheduler:
         batch = list(self.running.values())
         steady = all(s.verifier_has for s in batch)
         speculate = self.controller is None or self.controller.speculate(len(batch))
-        trees = await self._draft(batch, speculate)
+        trees, sources = await self._draft(batch, speculate)
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
                 for c in self.speculators:
@@ -203,15 +212,21 @@ class Scheduler:
                 continue
             s.verifier_has = len(s.record) + len(tokens)
             s.steps += 1
+            tree = trees.get(s.id)
+            s.tree_steps += tree is not None
             before = len(s.generated)
             reason = append_tokens(s.generated, s.request, tokens, self.eos)
             emitted = s.generated[before:]
             accepted = len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
             s.accepted += accepted
-            metrics.record_step(trees.get(s.id, TokenTree()), len(emitted), accepted, first=not before,
+            metrics.record_step(tree or TokenTree(), len(emitted), accepted, first=not before,
                                 since_last=now - (s.last_chunk or s.arrived))
             s.last_chunk = now
-            s.events.put_nowait(Chunk(emitted, reason))
+            chunk = Chunk(emitted, reason)
+            if s.want_trees and tree is not None:
+                chunk.tree, chunk.proposers = tree, proposers(tree, sources[s.id])
+                chunk.accepted = accepted_nodes(tree, tokens)
+            s.events.put_nowait(chunk)
             if reason:
                 metrics.E2E.observe(now - s.arrived)
                 self._retire(s, reason)
@@ -256,21 +271,47 @@ class Scheduler:
         # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
         return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
 
-    async def _draft(self, batch: list[Sequence], speculate: bool) -> dict[str, TokenTree]:
+    def _why_no_plan(self, seq: Sequence, speculate: bool, batch_size: int) -> str:
+        """Why `_plan` gave the request no tree this step, in words for its usage report."""
+        if seq.expansion == []:
+            return "speculation off for this request"
+        if seq.request.max_new_tokens - len(seq.generated) <= 1:
+            return "the last token needs no draft"
+        if not speculate:
+            return f"the manager measured plain decoding faster at batch size {batch_size}"
+        if not self.expansion:
+            return "the server's default expansion is empty"
+        return (f"the tree budget ({self.tree_budget} nodes) over {batch_size} requests is smaller than the "
+                f"expansion's first level ({self.expansion[0]})")
+
+    async def _draft(self, batch: list[Sequence], speculate: bool
+                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]]]:
+        """Each request's merged draft tree (none for a request that gets no tree this step), and
+        for requests that asked for their trees, the trees it merged by speculator number."""
         per_request = self.tree_budget // max(len(batch), 1) if speculate else 0
-        drafts = [Draft(s.id, s.record, plan, s.request.sampling)
-                  for s in batch if (plan := self._plan(s, per_request))]
-        if not drafts or not self.speculators:
+        drafting = []
+        for s in batch:
+            if plan := self._plan(s, per_request):
+                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
+            else:
+                s.no_tree[self._why_no_plan(s, speculate, len(batch))] += 1
+        if not drafting or not self.speculators:
             for c in self.speculators:
                 c.draft_ns = 0
-            return {}
-        answers = await asyncio.gather(*(c.draft(drafts) for c in self.speculators))
-        merged = {}
-        for d in drafts:
-            trees = [a[d.request_id] for a in answers if len(a.get(d.request_id, ())) > 0]
-            if trees:
-                merged[d.request_id] = trees[0] if len(trees) == 1 else merge(trees)
-        return merged
+            for s, _ in drafting:
+                s.no_tree["no speculators configured"] += 1
+            return {}, {}
+        answers = await asyncio.gather(*(c.draft([d for _, d in drafting]) for c in self.speculators))
+        merged, sources = {}, {}
+        for s, _ in drafting:
+            trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
+            if not trees:
+                s.no_tree["no speculator sent a tree in time"] += 1
+                continue
+            merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
+            if s.want_trees:
+                sources[s.id] = trees
+        return merged, sources
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""

@@ -47,7 +47,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @rpc_errors
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
-        seq = self.scheduler.submit(*self.request_from_pb(request))
+        seq = self.scheduler.submit(*self.request_from_pb(request), want_trees=request.return_draft_trees)
         try:
             while True:
                 event = await seq.events.get()
@@ -62,12 +62,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @staticmethod
     def chunk_to_pb(seq: Sequence, chunk: Chunk) -> generation_pb2.GenerateResponse:
         response = generation_pb2.GenerateResponse(token_ids=chunk.tokens)
+        if chunk.tree is not None:
+            response.draft_tree.CopyFrom(generation_pb2.DraftTreeStep(
+                token_ids=chunk.tree.tokens, parents=chunk.tree.parents, speculators=chunk.proposers,
+                accepted=chunk.accepted))
         if chunk.finish_reason:
             response.finish_reason = FINISH[chunk.finish_reason]
+            reasons = seq.no_tree.most_common(1)
             response.usage.CopyFrom(generation_pb2.Usage(
                 prompt_tokens=len(seq.request.prompt), completion_tokens=len(seq.generated),
                 verifier_steps=seq.steps, mean_tokens_per_step=len(seq.generated) / seq.steps,
-                accepted_draft_tokens=seq.accepted))
+                accepted_draft_tokens=seq.accepted, tree_steps=seq.tree_steps,
+                no_tree_reason=reasons[0][0] if reasons else ""))
         return response
 
     @rpc_errors

@@ -167,6 +167,29 @@ def merge(trees: list[TokenTree]) -> TokenTree:
     return reorder(merged, dfs_order(parents))
 
 
+def proposers(merged: TokenTree, trees: dict[int, TokenTree]) -> list[int]:
+    """Per node of `merged` (the merge of `trees`, keyed by source number), a bitmask of the
+    sources whose tree has the node's path: bit i for source i."""
+    index = {path: u for u, path in enumerate(merged.paths())}
+    bits = [0] * len(merged)
+    for i, tree in trees.items():
+        for path in tree.paths():
+            bits[index[path]] |= 1 << i
+    return bits
+
+
+def accepted_nodes(tree: TokenTree, tokens: list[int]) -> list[int]:
+    """The nodes a verifier step accepted, given the tokens it returned (the accepted path's tokens
+    and then its own bonus token): the path from the root along tokens[:-1]."""
+    path, u = [], -1
+    for t in tokens[:-1]:
+        u = tree.child_with_token(u, t)
+        if u is None:
+            raise ValueError(f"tree: accepted token {t} is not a child of node {path[-1] if path else -1}")
+        path.append(u)
+    return path
+
+
 MAX_EXPANSION_DEPTH, MAX_EXPANSION_WIDTH = 16, 8
 
 

@@ -78,16 +78,19 @@ def load_engine(args) -> Engine:
 def cmd_generate(args) -> int:
     prompts = load_prompts(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    start = time.perf_counter()
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 
         try:
-            gens, texts = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
-                                          remote_speculation(args.mode, args.expansion), client_credentials(args))
+            run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
+                                  remote_speculation(args.mode, args.expansion), client_credentials(args),
+                                  args.wait, waiting_notice("generate", args.server, args.wait))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        gens, texts, seconds = run.generations, run.texts, run.seconds
+        trees = tree_share(sum(u.verifier_steps for u in run.usages), run.tree_steps,
+                           run.no_tree_reason or "the server gave no reason")
     else:
         from transformers import AutoTokenizer
 
@@ -95,18 +98,18 @@ def cmd_generate(args) -> int:
         engine = load_engine(args)
         requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid)
                     for pid, text in prompts]
+        start = time.perf_counter()
         try:
             gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        seconds = time.perf_counter() - start
         texts = [tokenizer.decode(g.token_ids) for g in gens]
-    elapsed = time.perf_counter() - start
+        trees = in_process_tree_use(args.mode)
     for g, text in zip(gens, texts):
         print_generation(g, text, args.json)
-    if not args.json:
-        total = sum(len(g.token_ids) for g in gens)
-        print(f"[{args.mode}] {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
+    print_summary(args.mode, gens, seconds, trees)
     return 0
 
 
@@ -139,11 +142,28 @@ def cmd_serve(args) -> int:
     system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
                     args.host, args.port, args.dtype, args.manager_arg,
                     ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
-                    credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key))
+                    credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
+                    http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args))
     for s in system.services:
-        print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics}", file=sys.stderr)
+        print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics or s.url + '/metrics'}",
+              file=sys.stderr)
     print(f"specinfer serve: ready; the manager (Generation API) listens on {system.manager.address}", flush=True)
+    if system.gateway is not None:
+        print(f"specinfer serve: OpenAI-compatible API on {system.gateway.url}/v1, "
+              f"live token-tree viewer on {system.gateway.url}/", flush=True)
     return serve_forever(system)
+
+
+def https_context(args):
+    """How the launcher checks the gateway's health when the services serve TLS."""
+    if not args.tls_cert:
+        return None
+    import ssl
+
+    context = ssl.create_default_context(cafile=args.tls_ca or None)
+    if args.tls_client_auth:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    return context
 
 
 def cmd_loadtest(args) -> int:
@@ -152,7 +172,7 @@ def cmd_loadtest(args) -> int:
 
     import grpc
 
-    from specinfer_rpc.client import connect
+    from specinfer_rpc.client import connect_when_ready
     from specinfer_rpc.load import run_load
     from specinfer_rpc.v1 import generation_pb2
 
@@ -162,8 +182,9 @@ def cmd_loadtest(args) -> int:
     credentials = client_credentials(args)
 
     async def run():
-        stub = connect(args.server, credentials)
-        prompts = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,
+        stub = await connect_when_ready(args.server, credentials, args.wait,
+                                        waiting_notice("loadtest", args.server, args.wait))
+        prompts = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=args.wait,
                                                        wait_for_ready=True) for t in texts))
         return await run_load(args.server, [list(p.token_ids) for p in prompts], args.concurrency, args.duration,
                               args.max_new_tokens, args.speculation, args.max_requests, sampling, credentials)
@@ -172,6 +193,9 @@ def cmd_loadtest(args) -> int:
         report = asyncio.run(run())
     except grpc.aio.AioRpcError as e:
         print(f"specinfer loadtest: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        print(f"specinfer loadtest: {e}", file=sys.stderr)
         return 1
     summary = report.summary()
     summary["errors_by_code"] = report.errors
@@ -188,6 +212,43 @@ def print_generation(g: Generation, text: str, as_json: bool) -> None:
         print(text)
 
 
+def print_summary(mode: str, gens: list[Generation], seconds: float, trees: str) -> None:
+    """One line on stderr (stdout stays the generations, or pure JSON lines with --json), e.g.
+    `[tree] 32 requests, 2048 tokens in 12.3 s (166.5 tok/s), 1.04 tokens/step; trees in 4% of steps (...)`.
+    Tokens per step as `Generation.tokens_per_step`: the prefill's token and step are left out."""
+    tokens = sum(len(g.token_ids) for g in gens)
+    steps = sum(g.steps for g in gens)
+    per_step = sum(max(0, len(g.token_ids) - 1) for g in gens) / steps if steps else 0.0
+    requests = f"{len(gens)} request{'' if len(gens) == 1 else 's'}"
+    print(f"[{mode}] {requests}, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s), "
+          f"{per_step:.2f} tokens/step; {trees}", file=sys.stderr)
+
+
+def tree_share(steps: int, tree_steps: int, no_tree_reason: str) -> str:
+    """How many of the verifier `steps` (the prefill's included: it can verify a tree too) verified a
+    draft tree, and why the others did not."""
+    if tree_steps == 0:
+        return f"no step used a tree: {no_tree_reason}"
+    if tree_steps == steps:
+        return "trees in every step"
+    percent = min(99, max(1, round(100 * tree_steps / steps)))  # neither 0% nor 100% when it is neither
+    return f"trees in {percent}% of steps (otherwise: {no_tree_reason})"
+
+
+def in_process_tree_use(mode: str) -> str:
+    """The in-process engine counts no tree-less steps; what its mode does is known: it drafts a
+    tree whenever the tree has room for a node before max_new_tokens."""
+    if mode == Mode.INCREMENTAL.value:
+        return "no step used a tree: speculation off (--mode incremental)"
+    return f"a tree at every step while two or more tokens remain (--mode {mode})"
+
+
+def waiting_notice(command: str, address: str, wait: float):
+    """`on_waiting` for the client: say on stderr what we are waiting for, and for how long."""
+    return lambda: print(f"specinfer {command}: waiting for the server at {address} (up to {wait:g} s) ...",
+                         file=sys.stderr, flush=True)
+
+
 def add_client_flags(p: argparse.ArgumentParser) -> None:
     """How to reach a server that serves TLS, mutual TLS or wants a bearer token."""
     p.add_argument("--tls-ca", default="", help="PEM CA bundle: connect with TLS, verifying the server with it")
@@ -195,6 +256,8 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--token", default=os.environ.get("SPECINFER_TOKEN", ""),
                    help="bearer token for servers started with --auth-token [env SPECINFER_TOKEN]")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for the server to come up (e.g. just after `specinfer serve &`)")
 
 
 def client_credentials(args):
@@ -233,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--seed", type=int, default=0)
     add_client_flags(load)
     load.set_defaults(func=cmd_loadtest)
-    srv = sub.add_parser("serve", help="run verifier, speculators and manager as separate processes")
+    srv = sub.add_parser("serve", help="run verifier, speculators, manager and HTTP gateway as separate processes")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=50051, help="the manager's (public) port")
+    srv.add_argument("--http-port", type=int, default=8000,
+                     help="the HTTP gateway's port: OpenAI-compatible API and live tree viewer (0: any free port; "
+                          "-1: no gateway)")
     srv.add_argument("--speculators", type=int, default=None,
                      help="speculator processes (default: one per SSM); speculator i hosts SSM i mod #SSMs")
     srv.add_argument("--manager-arg", action="append", default=[],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,10 +22,50 @@ FINISH_NAMES = {v: k for k, v in {"eos": generation_pb2.FINISH_REASON_EOS, "stop
                                   "length": generation_pb2.FINISH_REASON_LENGTH}.items()}
 
 
+WAITING_NOTICE_S = 2.0  # a client waiting this long for a connection says so (on_waiting), if not before
+
+
 def connect(address: str, credentials: grpc.ChannelCredentials | None = None,
             max_message_bytes: int = 64 << 20) -> generation_pb2_grpc.GenerationStub:
     """A stub on a new channel: plaintext, or TLS/token with `security.channel_credentials`."""
     return generation_pb2_grpc.GenerationStub(open_channel(address, credentials, channel_options(max_message_bytes)))
+
+
+async def connect_when_ready(address: str, credentials: grpc.ChannelCredentials | None = None, wait: float = 60.0,
+                             on_waiting: Callable[[], None] | None = None) -> generation_pb2_grpc.GenerationStub:
+    """A stub once the channel to `address` is connected: the server may still be starting (e.g.
+    `specinfer serve &` just before). Calls `on_waiting` once if the server is not there yet (a
+    connection attempt failed, or none succeeded within WAITING_NOTICE_S); raises RuntimeError
+    naming the address after `wait` s."""
+    told = on_waiting is None
+
+    def tell() -> None:
+        nonlocal told
+        if not told:
+            told = True
+            on_waiting()
+
+    channel = open_channel(address, credentials, channel_options(64 << 20))
+    notice = asyncio.get_running_loop().call_later(WAITING_NOTICE_S, tell)
+    try:
+        await asyncio.wait_for(channel_ready(channel, on_failure=tell), wait)
+    except TimeoutError:
+        await channel.close()
+        raise RuntimeError(f"{address}: no server answered within {wait:g} s (is `specinfer serve` running there, "
+                           f"with the same TLS settings?)") from None
+    finally:
+        notice.cancel()
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+async def channel_ready(channel: grpc.aio.Channel, on_failure: Callable[[], None]) -> None:
+    """`channel.channel_ready()` that calls `on_failure` whenever a connection attempt has failed."""
+    state = channel.get_state(try_to_connect=True)
+    while state != grpc.ChannelConnectivity.READY:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            on_failure()
+        await channel.wait_for_state_change(state)
+        state = channel.get_state(try_to_connect=True)
 
 
 def speculation_pb(spec: str | None) -> generation_pb2.Speculation:
@@ -76,27 +118,52 @@ def generate_all(address: str, requests: list[Request], speculation: str | None 
     return asyncio.run(run())
 
 
+@dataclass
+class RemoteRun:
+    """`generate_remote`'s answer: per prompt its generation, text and the server's usage."""
+
+    generations: list[Generation]
+    texts: list[str]
+    usages: list[generation_pb2.Usage]
+    seconds: float  # from the first Generate call to the end of the last stream
+
+    @property
+    def tree_steps(self) -> int:
+        return sum(u.tree_steps for u in self.usages)
+
+    @property
+    def no_tree_reason(self) -> str:
+        """The server's reason for most of the steps without a tree; "" when it gave none."""
+        reasons = Counter()
+        for u in self.usages:
+            if u.no_tree_reason:
+                reasons[u.no_tree_reason] += u.verifier_steps - u.tree_steps
+        return reasons.most_common(1)[0][0] if reasons else ""
+
+
 def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
-                    speculation: str | None, credentials: grpc.ChannelCredentials | None = None
-                    ) -> tuple[list[Generation], list[str]]:
-    """`specinfer generate --server`: tokenize on the server, send every prompt concurrently,
-    detokenize on the server. Raises RuntimeError with the server's status on failure."""
+                    speculation: str | None, credentials: grpc.ChannelCredentials | None = None,
+                    wait: float = 60.0, on_waiting: Callable[[], None] | None = None) -> RemoteRun:
+    """`specinfer generate --server`: wait up to `wait` s for the server (see `connect_when_ready`),
+    tokenize on it, send every prompt concurrently, detokenize on it. Raises RuntimeError naming the
+    address, with the server's status if it answered, on failure."""
 
     async def run():
-        stub = connect(address, credentials)
+        stub = await connect_when_ready(address, credentials, wait, on_waiting)
         try:
-            # wait_for_ready: the server may still be starting (e.g. `specinfer serve &` just before)
-            prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=300,
+            prompt_ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=t), timeout=wait,
                                                               wait_for_ready=True) for _, t in prompts))
             requests = [request_pb(Request(list(p.token_ids), max_new_tokens, sampling), speculation)
                         for p in prompt_ids]
+            start = time.perf_counter()
             streams = await asyncio.gather(*(generate(stub, r) for r in requests))
+            seconds = time.perf_counter() - start
             texts = await asyncio.gather(*(stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=s.token_ids))
                                            for s in streams))
         except grpc.aio.AioRpcError as e:
             raise RuntimeError(f"{address}: {e.code().name}: {e.details()}") from e
         gens = [Generation(pid, s.token_ids, s.finish_reason, s.usage.verifier_steps - 1, [])
                 for (pid, _), s in zip(prompts, streams)]
-        return gens, [t.text for t in texts]
+        return RemoteRun(gens, [t.text for t in texts], [s.usage for s in streams], seconds)
 
     return asyncio.run(run())

@@ -59,20 +59,27 @@ def option(default, help: str, **kw):
 
 
 @dataclass
-class ServerConfig:
-    """Settings every service has."""
+class EndpointConfig:
+    """Where a service listens and how it secures its connections (every service, the HTTP
+    gateway included)."""
 
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "port to listen on (0: any free port)")
     max_message_bytes: int = option(16 << 20, "largest gRPC message accepted or sent")
     grace: float = option(10.0, "seconds in-flight calls get to finish on SIGTERM")
-    metrics_port: int = option(-1, "port of the Prometheus /metrics endpoint, on the same host (-1: none; 0: any free port)")
     tls_cert: str = option("", "PEM certificate chain: serve TLS with it (empty: plaintext), and call the other "
                                "services with TLS, presenting it as client certificate")
     tls_key: str = option("", "PEM private key of tls_cert")
     tls_ca: str = option("", "PEM CA bundle: verify the services this one calls with it (empty: the system's roots "
                              "when tls_cert is set, else plaintext to them)")
     tls_client_auth: bool = option(False, "mutual TLS: require client certificates signed by tls_ca")
+
+
+@dataclass
+class ServerConfig(EndpointConfig):
+    """Settings every gRPC service has."""
+
+    metrics_port: int = option(-1, "port of the Prometheus /metrics endpoint, on the same host (-1: none; 0: any free port)")
 
 
 @dataclass

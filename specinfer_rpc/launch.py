@@ -9,9 +9,11 @@ them all (SIGTERM, then SIGKILL after the grace period).
 from __future__ import annotations
 
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +30,12 @@ class Service:
     process: subprocess.Popen | None = None
     address: str = ""
     metrics: str = ""  # its /metrics URL, when it serves one
+    http: str = ""  # an HTTP service's scheme (the gateway: "http" or "https"); its health is GET /health
+
+    @property
+    def url(self) -> str:
+        """An HTTP service's base URL."""
+        return f"{self.http}://{self.address}"
 
 
 @dataclass
@@ -35,17 +43,22 @@ class System:
     services: list[Service] = field(default_factory=list)
     log_dir: Path | None = None  # each service's stderr to <log_dir>/<name>.log (default: inherited)
     credentials: grpc.ChannelCredentials | None = None  # for the health checks, when the services serve TLS
+    ssl_context: ssl.SSLContext | None = None  # for the gateway's health check, when it serves HTTPS
 
     @property
     def manager(self) -> Service:
         return self.by_name("manager")
 
+    @property
+    def gateway(self) -> Service | None:
+        return next((s for s in self.services if s.name == "gateway"), None)
+
     def by_name(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
-    def start(self, name: str, module: str, args: list[str], timeout: float) -> Service:
+    def start(self, name: str, module: str, args: list[str], timeout: float, http: str = "") -> Service:
         """Start `python -m module args`, wait until it is listening and healthy."""
-        service = Service(name, module, args)
+        service = Service(name, module, args, http=http)
         self.services.append(service)
         self._run(service, timeout)
         return service
@@ -78,7 +91,10 @@ class System:
             self.stop()
             raise RuntimeError(f"{service.name} did not start (exit code {proc.wait()})")
         service.address = address
-        wait_healthy(address, timeout, self.credentials)
+        if service.http:
+            wait_http_healthy(service.url, timeout, self.ssl_context)
+        else:
+            wait_healthy(address, timeout, self.credentials)
 
     def stop(self, grace: float = 30.0) -> None:
         for s in reversed(self.services):
@@ -91,6 +107,20 @@ class System:
             except subprocess.TimeoutExpired:
                 s.process.kill()
                 s.process.wait()
+
+
+def wait_http_healthy(url: str, timeout: float, context: ssl.SSLContext | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as r:
+                if r.status == 200:
+                    return
+        except OSError:  # refused, or 503 (urllib.error.HTTPError is an OSError)
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not healthy after {timeout}s")
+        time.sleep(0.2)
 
 
 def wait_healthy(address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
@@ -109,10 +139,12 @@ def wait_healthy(address: str, timeout: float, credentials: grpc.ChannelCredenti
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
            dtype: str = "float32", manager_args: list[str] = (), verifier_args: list[str] = (),
            timeout: float = 120.0, log_dir: Path | None = None, service_args: list[str] = (),
-           credentials: grpc.ChannelCredentials | None = None) -> System:
-    """Start the whole system; speculator i hosts ssms[i % len(ssms)]. `service_args` go to every
-    service (e.g. TLS flags; then `credentials` are what the health checks connect with)."""
-    system = System(log_dir=log_dir, credentials=credentials)
+           credentials: grpc.ChannelCredentials | None = None, http_port: int | None = None,
+           ssl_context: ssl.SSLContext | None = None) -> System:
+    """Start the whole system; speculator i hosts ssms[i % len(ssms)]; with `http_port`, the HTTP
+    gateway in front of the manager too. `service_args` go to every service (e.g. TLS flags; then
+    `credentials` and `ssl_context` are what the health checks connect with)."""
+    system = System(log_dir=log_dir, credentials=credentials, ssl_context=ssl_context)
     try:
         common = ["--host", host, "--port", "0", "--dtype", dtype, "--metrics-port", "0", *service_args]
         verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *verifier_args], timeout)
@@ -123,6 +155,11 @@ def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1
                      ["--host", host, "--port", str(port), "--metrics-port", "0", *service_args,
                       "--verifier", verifier.address, "--tokenizer", str(llm),
                       "--speculators", ",".join(s.address for s in specs), *manager_args], timeout)
+        if http_port is not None:
+            system.start("gateway", "gateway_svc",
+                                   ["--host", host, "--port", str(http_port), *service_args,
+                                    "--manager", system.manager.address, "--tokenizer", str(llm)], timeout,
+                         http="https" if ssl_context is not None else "http")
     except BaseException:
         system.stop()
         raise

@@ -1,6 +1,7 @@
 """The scaffold every service runs in: a grpc.aio server on uvloop with health checking and
-reflection, errors mapped to status codes in one place, and a graceful stop on SIGTERM/SIGINT
-(health NOT_SERVING first, then in-flight calls get `grace` seconds to finish)."""
+reflection, errors mapped to status codes in one place, requests that do not parse refused in
+one place, and a graceful stop on SIGTERM/SIGINT (health NOT_SERVING first, then in-flight calls
+get `grace` seconds to finish)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,67 @@ def rpc_errors(method: Callable) -> Callable:
     return unary
 
 
+_CORRUPT = object()  # what a guarded deserializer returns for bytes that do not parse
+
+
+class CorruptRequests(grpc.aio.ServerInterceptor):
+    """A request, or an item of a request stream, whose bytes do not parse ends its call with
+    INVALID_ARGUMENT "request is not a valid <Message>" and one WARNING line. (grpc.aio itself
+    answers UNKNOWN and logs a traceback: the deserializer raises before or outside the servicer.)"""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _guard(handler, details.method)
+
+
+def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with a deserializer that returns _CORRUPT instead of raising, and its behaviour
+    wrapped, in the calling style grpc.aio dispatches on, to refuse a _CORRUPT request."""
+    parse = handler.request_deserializer
+    message = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)  # parse is Message.FromString
+    reason = f"request is not a valid {message.name if message else 'message'}"
+    kind = ("stream_" if handler.request_streaming else "unary_") + ("stream" if handler.response_streaming else "unary")
+    behaviour = getattr(handler, kind)
+
+    def tolerant(raw: bytes):
+        try:
+            return parse(raw)
+        except Exception:  # noqa: BLE001 (protobuf's DecodeError, or whatever another deserializer raises)
+            return _CORRUPT
+
+    def refuse(context):  # one line; then abort: a coroutine on grpc.aio's context, done at once on its sync one
+        log.warning("%s: %s (from %s)", method, reason, context.peer())
+        return context.abort(grpc.StatusCode.INVALID_ARGUMENT, reason)
+
+    async def valid(request, context):
+        if request is _CORRUPT:
+            await refuse(context)  # raises AbortError
+        return request
+
+    async def admit(request, context):  # the request, or the request stream checked item by item
+        if handler.request_streaming:  # (servicers iterate their request streams, none calls context.read())
+            return (await valid(r, context) async for r in request)
+        return await valid(request, context)
+
+    if inspect.isasyncgenfunction(behaviour):
+        async def guarded(request, context):
+            async for response in behaviour(await admit(request, context), context):
+                yield response
+    elif inspect.iscoroutinefunction(behaviour):
+        async def guarded(request, context):
+            return await behaviour(await admit(request, context), context)
+    elif kind == "unary_unary":  # a plain function, run on the server's thread pool (grpc_health's List)
+        def guarded(request, context):
+            if request is not _CORRUPT:
+                return behaviour(request, context)
+            refuse(context)  # the status is sent; the server ends the call when this returns
+    else:  # no sync streaming handlers are served
+        return handler
+    return handler._replace(request_deserializer=tolerant, **{kind: guarded})
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options for servers and clients: message size limits, and reconnection that notices a
     restarted peer within about a second instead of gRPC's default backoff of up to 2 minutes."""
@@ -92,7 +154,8 @@ async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, obj
     TLS when cfg has a certificate, and /metrics on cfg.metrics_port, until SIGTERM or SIGINT,
     then stop gracefully."""
     credentials = server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.tls_client_auth)
-    server = grpc.aio.server(options=channel_options(cfg.max_message_bytes), interceptors=interceptors)
+    server = grpc.aio.server(options=channel_options(cfg.max_message_bytes),
+                             interceptors=(*interceptors, CorruptRequests()))
     for add, servicer, _ in services:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -7,18 +7,40 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
-
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .conftest import MODELS, ROOT
 
+SUMMARY = re.compile(r"^\[(\w+)\] (\d+) requests?, (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s\), "
+                     r"([\d.]+) tokens/step; (.+)$", re.MULTILINE)
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> str:
+    """The summary line's tree part, after checking its figures against the JSON lines on stdout."""
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    (line,) = SUMMARY.findall(proc.stderr)
+    _, requests, tokens, seconds, tok_s, per_step, trees = line
+    assert int(requests) == len(results)
+    assert int(tokens) == sum(len(r["token_ids"]) for r in results)
+    assert float(per_step) == pytest.approx(sum(len(r["token_ids"]) - 1 for r in results)
+                                            / sum(r["steps"] for r in results), abs=0.006)
+    assert float(tok_s) == pytest.approx(int(tokens) / float(seconds), rel=0.2)  # seconds printed to 0.1
+    return trees
 
 
 def test_generate_json_prints_one_object_per_prompt_with_the_llm_greedy_tokens(tmp_path, heldout_prompts):
@@ -28,6 +50,7 @@ def test_generate_json_prints_one_object_per_prompt_with_the_llm_greedy_tokens(t
     proc = run_cli("--prompt-file", str(prompt_file), "--mode", "merged", "--max-new-tokens", "24", "--json")
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert summary_of(proc) == "a tree at every step while two or more tokens remain (--mode merged)"
     assert [r["id"] for r in results] == ["p0", "p1"]
 
     tok = AutoTokenizer.from_pretrained(MODELS / "llm")
@@ -51,29 +74,58 @@ def test_sampling_flags_are_seeded_and_bad_values_are_refused():
     assert bad.returncode == 2 and "top_p" in bad.stderr
 
 
+def test_generate_server_says_it_waits_for_an_absent_server_and_gives_up_after_wait_naming_it():
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "generate", "--server", address, "--prompt", "x",
+                             "--wait", "3"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [(time.monotonic() - start, line) for line in proc.stderr]  # as each line comes
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    exited = time.monotonic() - start
+    (notice_at, notice), = [(t, line) for t, line in lines if "waiting for the server" in line]
+    (error_at, error), = [(t, line) for t, line in lines if line.startswith("error:")]
+    assert notice == f"specinfer generate: waiting for the server at {address} (up to 3 s) ...\n"
+    assert address in error and "no server answered within 3 s" in error
+    assert proc.returncode == 2
+    # the client gives up --wait s after it starts waiting, so this says the notice came within
+    # 2.5 s of that start (the clock cannot start at launch: importing torch alone takes seconds)
+    assert notice_at < error_at - (3 - 2.5)
+    assert exited - notice_at < 3 + 5
+
+
 def test_serve_answers_generate_server_like_in_process_and_stops_every_process_on_sigterm(tmp_path, heldout_prompts):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p["prompt"]}) + "\n"
                                    for i, p in enumerate(heldout_prompts[:3])))
-    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port)], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port), "--http-port", "0"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # started at once: generate --server waits for the manager to come up
-        remote = run_cli("--server", f"127.0.0.1:{port}", "--prompt-file", str(prompt_file), "--max-new-tokens", "24", "--json")
+        server = ("--server", f"127.0.0.1:{port}", "--wait", "240", "--prompt-file", str(prompt_file),
+                  "--max-new-tokens", "24", "--json")
+        remote = run_cli(*server)
         assert remote.returncode == 0, remote.stderr
         assert "ready" in serve.stdout.readline()
+        assert re.search(r"live token-tree viewer on http://127\.0\.0\.1:\d+/", serve.stdout.readline())
+        assert re.fullmatch(r"trees in every step|trees in \d+% of steps \(otherwise: .+\)|no step used a tree: .+",
+                            summary_of(remote))
+        plain = run_cli(*server, "--mode", "incremental")
+        assert plain.returncode == 0, plain.stderr
+        assert summary_of(plain) == "no step used a tree: speculation off for this request"
     finally:
         serve.send_signal(signal.SIGTERM)
         _, err = serve.communicate(timeout=60)
     local = run_cli("--prompt-file", str(prompt_file), "--mode", "incremental", "--max-new-tokens", "24", "--json")
+    assert summary_of(local) == "no step used a tree: speculation off (--mode incremental)"
     strip = lambda out: [{k: r[k] for k in ("id", "token_ids", "text", "finish_reason")} for r in map(json.loads, out.splitlines())]
-    assert strip(remote.stdout) == strip(local.stdout)
+    assert strip(remote.stdout) == strip(local.stdout) == strip(plain.stdout)
     assert serve.returncode == 0
     pids = [int(m) for m in re.findall(r" pid (\d+) on ", err)]
-    assert len(pids) == 4
+    assert len(pids) == 5  # verifier, two speculators, manager, gateway
     for pid in pids:  # every service process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -3,13 +3,16 @@
 Dockerfiles, the compose files and the Kubernetes manifests hand a service is one its config class
 accepts; the compose files are valid against the official Compose Specification schema and the
 manifests against the Kubernetes OpenAPI schemas; the pieces name each other's ports, DNS names
-and probes consistently; the container healthcheck reports a real service's health.
+and probes consistently; the container healthchecks report a service's health. The gRPC services
+and the HTTP gateway differ only in how they are reached (`endpoints`): the gateway serves
+/health, /metrics and its API on its one port.
 
 Nothing here needs a Docker engine or a cluster; nothing is built or deployed."""
 
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import json
 import os
 import re
@@ -17,6 +20,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
@@ -24,9 +28,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway_svc.__main__ import GatewayConfig
 from manager_svc.__main__ import ManagerConfig
 from manager_svc.discovery import parse_target
-from specinfer_rpc.config import env_name, load_config
+from specinfer_rpc.config import ServerConfig, env_name, load_config
 from specinfer_rpc.launch import Service, System, launch
 from speculator_svc.__main__ import SpeculatorConfig
 from verifier_svc.__main__ import VerifierConfig
@@ -35,11 +40,39 @@ from .conftest import MODELS, ROOT
 
 DOCKER = ROOT / "docker"
 K8S = ROOT / "deploy" / "k8s"
-SERVICES = ["verifier", "speculator", "manager"]
-CONFIGS = {"verifier_svc": VerifierConfig, "speculator_svc": SpeculatorConfig, "manager_svc": ManagerConfig}
-METRICS_PORT = 9400
+SERVICES = ["verifier", "speculator", "manager", "gateway"]
+CONFIGS = {"verifier_svc": VerifierConfig, "speculator_svc": SpeculatorConfig, "manager_svc": ManagerConfig,
+           "gateway_svc": GatewayConfig}
+METRICS_PORT = 9400  # the gRPC services' /metrics port
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]  # 1.30: gRPC probes, preStop sleep action
 DRAIN_MARGIN_S = 5  # terminationGracePeriodSeconds beyond preStop + --grace
+
+
+@dataclasses.dataclass
+class Endpoints:
+    """How the deployment reaches a service: its container ports by name, the port Prometheus
+    scrapes, the compose healthcheck and each Kubernetes probe's handler (`endpoints(cfg)`)."""
+
+    ports: dict[str, int]
+    metrics_port: int
+    healthcheck: list[str]
+    probes: dict[str, dict]
+
+
+def endpoints(cfg) -> Endpoints:
+    if isinstance(cfg, ServerConfig):  # gRPC, and /metrics on a port of its own
+        probe = {"grpc": {"port": cfg.port}}
+        return Endpoints({"grpc": cfg.port, "metrics": cfg.metrics_port}, cfg.metrics_port,
+                         ["CMD", "python", "-m", "specinfer_rpc.healthcheck", f"127.0.0.1:{cfg.port}"],
+                         {"startupProbe": probe, "readinessProbe": probe, "livenessProbe": probe})
+    # the HTTP gateway, everything on one port. GET /health is 200 while the manager is SERVING: it
+    # decides readiness; liveness and startup only ask that the process answers (/metrics), so a
+    # manager that is away restarts no gateway. The image has python, not curl.
+    health = f"http://127.0.0.1:{cfg.port}/health"
+    check = f"import urllib.request,sys; sys.exit(urllib.request.urlopen('{health}', timeout=5).status != 200)"
+    return Endpoints({"http": cfg.port}, cfg.port, ["CMD", "python", "-c", check],
+                     {probe: {"httpGet": {"path": path, "port": cfg.port}} for probe, path in
+                      [("startupProbe", "/metrics"), ("readinessProbe", "/health"), ("livenessProbe", "/metrics")]})
 
 
 # ---------------------------------------------------------------- Dockerfiles
@@ -143,7 +176,7 @@ def launched() -> dict[str, Service]:
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(System, "start", start)
-        launch(MODELS / "llm", [MODELS / "ssm-0"], 1)
+        launch(MODELS / "llm", [MODELS / "ssm-0"], 1, http_port=0)
     return started
 
 
@@ -192,6 +225,8 @@ def assert_models_in_image(image: Image, cfg, where: str) -> None:
         needed = [f"{cfg.model}/{f}" for f in ("config.json", "model.safetensors")]
     elif isinstance(cfg, SpeculatorConfig):
         needed = [f"{d}/{f}" for d in cfg.ssm for f in ("config.json", "model.safetensors")]
+    elif isinstance(cfg, GatewayConfig):  # tokenizer_config.json holds the chat template
+        needed = [f"{cfg.tokenizer}/{f}" for f in ("tokenizer.json", "tokenizer_config.json")]
     else:
         needed = [f"{cfg.tokenizer}/tokenizer.json"]
     for path in needed:
@@ -202,8 +237,9 @@ def assert_models_in_image(image: Image, cfg, where: str) -> None:
 
 def assert_serves_in_container(image: Image, cfg, where: str) -> None:
     assert cfg.host == "0.0.0.0", f"{where}: listens on {cfg.host}, unreachable from outside the container"
-    assert cfg.metrics_port == METRICS_PORT, f"{where}: metrics port {cfg.metrics_port}"
-    assert {cfg.port, cfg.metrics_port} <= image.expose, f"{where}: EXPOSE {image.expose}"
+    if isinstance(cfg, ServerConfig):
+        assert cfg.metrics_port == METRICS_PORT, f"{where}: metrics port {cfg.metrics_port}"
+    assert set(endpoints(cfg).ports.values()) <= image.expose, f"{where}: EXPOSE {image.expose}"
     assert_models_in_image(image, cfg, where)
 
 
@@ -324,7 +360,7 @@ def compose_schema_errors(path: Path) -> str:
     """check-jsonschema against the Compose Specification's JSON schema it ships (vendored from
     compose-spec/compose-spec, the schema `docker compose` itself validates with); "" when valid."""
     run = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec",
-                          str(path)], capture_output=True, text=True, timeout=60)
+                          str(path)], capture_output=True, text=True, timeout=60, check=False)
     return "" if run.returncode == 0 else run.stdout + run.stderr
 
 
@@ -368,21 +404,24 @@ def test_compose_runs_each_image_with_settings_its_service_accepts_and_wires_the
     for name, (svc, image, cfg) in services.items():
         where = f"compose service {name}"
         assert_serves_in_container(image, cfg, where)
-        assert svc["healthcheck"]["test"] == ["CMD", "python", "-m", "specinfer_rpc.healthcheck",
-                                              f"127.0.0.1:{cfg.port}"], where
+        assert svc["healthcheck"]["test"] == endpoints(cfg).healthcheck, where
         assert seconds(svc["stop_grace_period"]) >= cfg.grace + DRAIN_MARGIN_S, where
         for dep, how in svc.get("depends_on", {}).items():
             assert dep in services and how["condition"] == "service_healthy", where
         gpus = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         assert [d["driver"] for d in gpus] == (["nvidia"] if name == "verifier" else []), where
 
-    speculator, manager = services["speculator"], services["manager"]
+    speculator, manager, gateway = services["speculator"], services["manager"], services["gateway"]
     assert not {"container_name", "ports"} & set(speculator[0]), "speculator: --scale needs both unset"
     target = [parse_target(e) for e in manager[2].speculators]
     assert [(t.name, t.port) for t in target] == [("speculator", speculator[2].port)]
     assert manager[2].verifier == f"verifier:{services['verifier'][2].port}"
     assert set(manager[0]["depends_on"]) == {"verifier", "speculator"}
-    assert f"{manager[2].port}:{manager[2].port}" in manager[0]["ports"]
+    assert gateway[2].manager == f"manager:{manager[2].port}"
+    assert set(gateway[0]["depends_on"]) == {"manager"}
+    assert {name for name, (svc, _, _) in services.items() if "ports" in svc} == {"manager", "gateway"}
+    for svc, _, cfg in (manager, gateway):
+        assert f"{cfg.port}:{cfg.port}" in svc["ports"]
 
 
 def test_the_cpu_override_drops_the_gpu_and_runs_the_verifier_on_cpu(images):
@@ -445,16 +484,17 @@ def test_each_deployment_runs_its_image_with_settings_its_service_accepts(manife
         assert pod["securityContext"]["runAsNonRoot"] is True
 
 
-def test_every_pod_has_grpc_probes_metrics_and_a_drain_long_enough(manifests, compose_images):
+def test_every_pod_has_health_probes_metrics_and_a_drain_long_enough(manifests, compose_images):
     for name, d in by_kind(manifests, "Deployment").items():
         _, cfg = k8s_config(d, compose_images)
-        c, pod = k8s_container(d), d["spec"]["template"]
+        c, pod, expected = k8s_container(d), d["spec"]["template"], endpoints(cfg)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": cfg.port, "metrics": cfg.metrics_port}, name
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == cfg.port, (name, probe)
+        assert ports == expected.ports, name
+        for probe, handler in expected.probes.items():
+            assert {k: c[probe][k] for k in ("grpc", "httpGet", "tcpSocket", "exec") if k in c[probe]} == handler, \
+                (name, probe)
         assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/path": "/metrics",
-                                                  "prometheus.io/port": str(cfg.metrics_port)}, name
+                                                  "prometheus.io/port": str(expected.metrics_port)}, name
         pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert pod["spec"]["terminationGracePeriodSeconds"] >= pre_stop + cfg.grace + DRAIN_MARGIN_S, name
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"], name
@@ -468,13 +508,16 @@ def test_the_verifier_gets_a_gpu(manifests):
         assert gpus == ({"1"} if name == "verifier" else {"0"}), name
 
 
-def test_services_select_their_pods_and_the_manager_finds_every_speculator_pod(manifests, compose_images):
+def test_services_select_their_pods_and_each_service_dials_the_others_by_their_dns_names(manifests, compose_images):
     deployments, services = by_kind(manifests, "Deployment"), by_kind(manifests, "Service")
     for name, s in services.items():
         d = deployments[name]
         assert s["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items(), name
-        grpc_port = next(p for p in s["spec"]["ports"] if p["name"] == "grpc")
-        assert grpc_port["targetPort"] in ("grpc", k8s_config(d, compose_images)[1].port), name
+        container_ports = endpoints(k8s_config(d, compose_images)[1]).ports
+        for p in s["spec"]["ports"]:
+            assert p["name"] in container_ports, (name, p)
+            assert p["port"] == container_ports[p["name"]], (name, p)
+            assert p["targetPort"] in (p["name"], container_ports[p["name"]]), (name, p)
 
     speculator = services["speculator"]
     assert speculator["spec"]["clusterIP"] == "None", "a ClusterIP would pin the manager to one speculator pod"
@@ -489,6 +532,8 @@ def test_services_select_their_pods_and_the_manager_finds_every_speculator_pod(m
     targets = [parse_target(e) for e in manager.speculators]
     assert [(t.name, t.port) for t in targets] == [(dns_name(speculator), grpc_port(speculator))]
     assert manager.verifier == f"{dns_name(services['verifier'])}:{grpc_port(services['verifier'])}"
+    _, gateway = k8s_config(deployments["gateway"], compose_images)
+    assert gateway.manager == f"{dns_name(services['manager'])}:{grpc_port(services['manager'])}"
 
 
 def test_autoscalers_scale_existing_deployments_on_cpu_they_request(manifests):
@@ -511,7 +556,7 @@ def test_autoscalers_scale_existing_deployments_on_cpu_they_request(manifests):
 
 def healthcheck(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "specinfer_rpc.healthcheck", *args], capture_output=True,
-                          text=True, timeout=30, cwd=ROOT)
+                          text=True, timeout=30, cwd=ROOT, check=False)
 
 
 def test_healthcheck_exits_0_on_a_serving_service_and_1_on_an_unknown_service():
@@ -534,3 +579,41 @@ def test_healthcheck_exits_1_when_nothing_listens():
         port = s.getsockname()[1]  # bound, not listening: connections are refused
         result = healthcheck(f"127.0.0.1:{port}", "--timeout", "5")
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr, result.stderr
+
+
+@contextmanager
+def http_health(status: int):
+    """A stand-in for the gateway on a free port whose GET /health answers `status`; yields the port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def gateway_healthcheck(port: int) -> int:
+    """The exit code of the gateway's container healthcheck (the one compose runs), on `port`."""
+    _, *command = endpoints(GatewayConfig(port=port)).healthcheck
+    command = [sys.executable if arg == "python" else arg for arg in command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, cwd=ROOT, check=False).returncode
+
+
+def test_the_gateway_healthcheck_exits_0_on_health_200_and_1_on_503_or_nothing_listening():
+    with http_health(200) as port:
+        assert gateway_healthcheck(port) == 0
+    with http_health(503) as port:
+        assert gateway_healthcheck(port) == 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert gateway_healthcheck(s.getsockname()[1]) == 1

@@ -39,6 +39,33 @@ def test_greedy_outputs_through_the_services_match_incremental_decoding(system, 
         assert sum(s.usage.verifier_steps for s in streams) < 0.5 * sum(len(w) for w in want)
 
 
+def test_draft_trees_on_request_show_each_steps_tree_and_its_accepted_path(system, heldout_ids):
+    """Asked for, each step's message carries the merged tree it verified (which of the two
+    speculators proposed each node) and the accepted nodes, whose tokens begin the step's tokens;
+    not asked for, no message carries a tree."""
+    prompt, n = heldout_ids[0], 40
+
+    async def go(trees: bool):
+        stub = connect(system.manager.address)
+        request = request_pb(Request(prompt, n, ignore_eos=True), "2,2,1")
+        request.return_draft_trees = trees
+        return [m async for m in stub.Generate(request, timeout=300)]
+
+    messages = asyncio.run(go(True))
+    assert [t for m in messages for t in m.token_ids] == reference_greedy([prompt], n, ignore_eos=True)[0]
+    for m in messages:
+        t = m.draft_tree
+        assert len(t.parents) == len(t.token_ids) == len(t.speculators)
+        assert all(0 < bits < 4 for bits in t.speculators)
+        assert [t.parents[u] for u in t.accepted] == [-1, *t.accepted[:-1]]  # a path from the root
+        assert [t.token_ids[u] for u in t.accepted] == list(m.token_ids[:len(t.accepted)])
+        if not m.finish_reason:  # the accepted path and the LLM's own token
+            assert len(m.token_ids) == len(t.accepted) + 1
+    assert sum(len(m.draft_tree.accepted) for m in messages) == messages[-1].usage.accepted_draft_tokens > 0
+    assert messages[-1].usage.tree_steps == sum(len(m.draft_tree.token_ids) > 0 for m in messages)
+    assert not any(m.HasField("draft_tree") for m in asyncio.run(go(False)))
+
+
 def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(system, heldout_ids):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
     for speculation in ("2,2,1,1", "off"):

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from specinfer.tree import TokenTree, ancestor_bits, depths, dfs_order, merge, parse_expansion, reorder
+from specinfer.tree import (TokenTree, accepted_nodes, ancestor_bits, depths, dfs_order, merge, parse_expansion,
+                            proposers, reorder)
 
 from .conftest import path_to
 
@@ -44,6 +45,24 @@ def test_merge_paths_are_exactly_the_union_of_input_paths(seed):
     assert set(merged.paths()) == want
     assert len(merged.paths()) == len(want)  # no path twice
     assert is_dfs(merged.parents)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_proposers_mark_each_merged_node_with_exactly_the_trees_that_have_its_path(seed):
+    rng = random.Random(seed)
+    trees = {i: random_tree(rng, rng.randrange(1, 12)) for i in rng.sample(range(5), rng.randrange(1, 4))}
+    merged = merge(list(trees.values()))
+    bits = proposers(merged, trees)
+    for path, b in zip(merged.paths(), bits):
+        assert b == sum(1 << i for i, t in trees.items() if path in set(t.paths()))
+
+
+def test_accepted_nodes_follow_the_returned_tokens_and_leave_out_the_bonus():
+    tree = TokenTree([5, 6, 7, 8], [-1, 0, 0, -1])
+    assert accepted_nodes(tree, [5, 7, 9]) == [0, 2]  # 9: the LLM's own token
+    assert accepted_nodes(tree, [4]) == []
+    with pytest.raises(ValueError, match="not a child"):
+        accepted_nodes(tree, [5, 9, 1])
 
 
 def test_merge_keeps_draft_groups_remapped_to_merged_nodes():

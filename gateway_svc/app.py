@@ -1,0 +1,401 @@
+"""The HTTP gateway: OpenAI's completions and chat completions API over the manager's gRPC
+Generation API, the live tree viewer (static/), /health and the gateway's own /metrics.
+
+Text is tokenized and detokenized here, with the LLM's tokenizer (its chat template for chat);
+only token ids go to the manager. Each verifier step the manager streams becomes one server-sent
+event. Errors before the first token are HTTP statuses (gRPC INVALID_ARGUMENT 400, UNAUTHENTICATED
+401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504), after it an error event; both
+in OpenAI's error shape. A client that goes away cancels its gRPC call, so every service frees the
+request. The caller's `Authorization` header is passed to the manager as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from specinfer_rpc.client import FINISH_NAMES, speculation_pb
+from specinfer_rpc.metrics import LATENCY_BUCKETS
+from specinfer_rpc.security import open_channel
+from specinfer_rpc.server import channel_options
+from specinfer_rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+from .protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_error,
+)
+from .text import TextStream
+
+STATIC = Path(__file__).resolve().parent / "static"
+ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class Metrics:
+    """The gateway's own request metrics, in a registry of its own."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specinfer_gateway_requests", "HTTP requests answered, by path and status",
+                                ["path", "status"], registry=r)
+        self.in_flight = Gauge("specinfer_gateway_requests_in_flight", "generation requests being answered", registry=r)
+        self.latency = Histogram("specinfer_gateway_request_seconds", "generation requests, arrival to last byte",
+                                 ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specinfer_gateway_time_to_first_token_seconds", "arrival to the first step's tokens",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("specinfer_gateway_completion_tokens", "tokens generated for clients", registry=r)
+        self.disconnects = Counter("specinfer_gateway_client_disconnects",
+                                   "generation requests whose client left before the end (their gRPC call cancelled)",
+                                   registry=r)
+
+
+@dataclass
+class Tally:
+    """One request's output and usage as it streams."""
+
+    prompt_tokens: int
+    text: TextStream
+    stop_ids: set[int]
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+    finish: str | None = None  # OpenAI's finish_reason
+    usage: generation_pb2.Usage | None = None  # the manager's, on its last message
+
+    def step(self, msg: generation_pb2.GenerateResponse) -> str:
+        """Take one step's message; the text to send for it."""
+        ids = list(msg.token_ids)
+        self.tokens += ids
+        self.steps += 1
+        if msg.finish_reason:
+            reason = FINISH_NAMES[msg.finish_reason]
+            self.finish, self.usage = OPENAI_FINISH[reason], msg.usage
+            if reason == "stop" and ids and ids[-1] in self.stop_ids:  # like a stop string, not sent
+                ids = ids[:-1]
+        piece = self.text.add(ids)
+        if self.text.stopped:
+            self.finish = "stop"
+        elif self.finish:
+            piece += self.text.finish()
+        return piece
+
+    def usage_json(self) -> dict:
+        """OpenAI's usage, plus the speculation figures. A stream cut by a stop string has no usage
+        from the manager; its figures then come from the steps seen (each step's tokens are its
+        accepted drafts plus one of the LLM's own)."""
+        u = self.usage
+        completion = u.completion_tokens if u is not None else len(self.tokens)
+        spec = {"verifier_steps": u.verifier_steps, "mean_tokens_per_step": u.mean_tokens_per_step,
+                "accepted_draft_tokens": u.accepted_draft_tokens, "tree_steps": u.tree_steps,
+                "no_tree_reason": u.no_tree_reason} if u is not None else {
+                "verifier_steps": self.steps, "mean_tokens_per_step": len(self.tokens) / max(self.steps, 1),
+                "accepted_draft_tokens": len(self.tokens) - self.steps}
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion, "speculation": spec}
+
+
+class Gateway:
+    def __init__(self, manager: str, tokenizer, request_timeout: float, credentials: grpc.ChannelCredentials | None,
+                 max_message_bytes: int, model_name: str = ""):
+        self.manager = manager
+        self.tokenizer = tokenizer
+        self.timeout = request_timeout
+        self.channel = open_channel(manager, credentials, channel_options(max_message_bytes))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.model_name = model_name  # served name; empty: the manager's model_name
+        self.metrics = Metrics()
+
+    async def call(self, method, request, metadata):
+        try:
+            return await method(request, timeout=30, metadata=metadata)
+        except grpc.aio.AioRpcError as e:
+            raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+
+    async def model_info(self, metadata) -> generation_pb2.ModelInfo:
+        info = await self.call(self.stub.GetModelInfo, generation_pb2.GetModelInfoRequest(), metadata)
+        if self.model_name:
+            info.model_name = self.model_name
+        return info
+
+    def prompt_ids(self, body) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            if not self.tokenizer.chat_template:
+                raise ApiError.bad("messages", "the model's tokenizer has no chat template "
+                                               "(tokenizer_config.json chat_template); use /v1/completions")
+            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(body.prompt, str):
+            return self.tokenizer(body.prompt)["input_ids"]
+        return list(body.prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_texts(self, ids) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
+
+    async def generate(self, http: Request, body, path: str):
+        body.refuse_unsupported()
+        metadata = auth(http)
+        info = await self.model_info(metadata)
+        if body.model != info.model_name:
+            raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {info.model_name!r} "
+                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+        prompt = self.prompt_ids(body)
+        stops, stop_ids = body.stop_strings(), body.stop_token_ids()
+        request = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                               seed=body.seed or 0),
+            stopping=generation_pb2.StoppingCriteria(max_new_tokens=body.max_tokens or 0, stop_token_ids=stop_ids,
+                                                     ignore_eos=body.ignore_eos),
+            speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees)
+        tally = Tally(len(prompt), TextStream(self.decode, stops), set(stop_ids))
+        start = time.perf_counter()
+        call = self.stub.Generate(request, timeout=self.timeout, metadata=metadata)
+        try:
+            first = await call.read()  # errors before the first token are HTTP statuses
+        except grpc.aio.AioRpcError as e:
+            raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+        self.metrics.ttft.observe(time.perf_counter() - start)
+        kind = "chat" if isinstance(body, ChatCompletionRequest) else "text"
+        response = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                             info.model_name, kind, body.return_draft_trees, self)
+        self.metrics.in_flight.inc()
+        outcome = {"completed": False}
+
+        def close():  # however the response ends: the call is cancelled, so every service frees the request
+            call.cancel()
+            self.metrics.in_flight.dec()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+            if not outcome["completed"]:
+                self.metrics.disconnects.inc()
+
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return CallStream(self._events(call, first, tally, response, include_usage, outcome), close)
+        try:
+            return await self._whole(http, call, first, tally, response, outcome)
+        finally:
+            close()
+
+    async def _messages(self, call, first, tally: Tally):
+        """(message, text piece) per step until the end or a stop string."""
+        msg = first
+        while msg is not grpc.aio.EOF:
+            piece = tally.step(msg)
+            self.metrics.tokens.inc(len(msg.token_ids))
+            yield msg, piece
+            if tally.text.stopped:
+                return
+            msg = await call.read()
+
+    async def _events(self, call, first, tally, response: Reply, include_usage: bool, outcome: dict):
+        try:
+            async for msg, piece in self._messages(call, first, tally):
+                yield sse(response.chunk(piece, tally.finish, msg))
+            if include_usage:
+                yield sse(response.usage_chunk(tally.usage_json()))
+        except grpc.aio.AioRpcError as e:
+            yield sse(ApiError.from_grpc(e.code().name, e.details() or "").body())
+        outcome["completed"] = True
+        yield "data: [DONE]\n\n"
+
+    async def _whole(self, http: Request, call, first, tally, response: Reply, outcome: dict):
+        async def collect():
+            return "".join([piece async for _, piece in self._messages(call, first, tally)])
+
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(wait_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client left
+            work.cancel()
+            return Response(status_code=499)
+        outcome["completed"] = True
+        try:
+            text = work.result()
+        except grpc.aio.AioRpcError as e:
+            raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+        return JSONResponse(response.whole(text, tally.finish, tally.usage_json()))
+
+
+class CallStream(StreamingResponse):
+    """Server-sent events whose `close` runs however the response ends: finished, or the client
+    gone before or while it streamed (then the generator may never have started)."""
+
+    def __init__(self, events, close):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.close = close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.close()
+            await self.body_iterator.aclose()
+
+
+def auth(http: Request) -> tuple:
+    """The caller's Authorization header, as the manager's call metadata."""
+    return (("authorization", http.headers["authorization"]),) if "authorization" in http.headers else ()
+
+
+async def wait_disconnect(http: Request) -> None:
+    """Returns when the client closes its connection (the body has been read already)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class Reply:
+    """The shapes of one request's response objects: completions ("text") or chat."""
+
+    id: str
+    created: int
+    model: str
+    kind: str
+    trees: bool
+    gateway: Gateway
+    role_sent: bool = False
+
+    def _object(self, suffix: str = "") -> dict:
+        obj = "text_completion" if self.kind == "text" else "chat.completion" + suffix
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, piece: str, finish: str | None, msg: generation_pb2.GenerateResponse) -> dict:
+        if self.kind == "text":
+            choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+        else:
+            delta = {"content": piece} if self.role_sent else {"role": "assistant", "content": piece}
+            self.role_sent = True
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice["token_ids"] = list(msg.token_ids)
+        if self.trees:
+            t = msg.draft_tree
+            choice["token_texts"] = self.gateway.token_texts(msg.token_ids)
+            choice["draft_tree"] = {"token_ids": list(t.token_ids), "token_texts": self.gateway.token_texts(t.token_ids),
+                                    "parents": list(t.parents), "speculators": list(t.speculators),
+                                    "accepted": list(t.accepted)}
+        return {**self._object(".chunk"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._object(".chunk"), "choices": [], "usage": usage}
+
+    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
+        if self.kind == "text":
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+        return {**self._object(), "choices": [choice], "usage": usage}
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="specinfer gateway", description="OpenAI-compatible HTTP API over the SpecInfer manager",
+                  docs_url="/docs", redoc_url=None)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    metrics = gateway.metrics
+
+    app.add_middleware(CountRequests, counter=metrics.requests)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        error = validation_error(e.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.get("/", include_in_schema=False)
+    async def viewer():
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/health")
+    async def health():
+        try:
+            status = (await gateway.health.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
+        except grpc.aio.AioRpcError as e:
+            return JSONResponse({"status": "unavailable", "manager": gateway.manager, "error": e.code().name},
+                                status_code=503)
+        ok = status == health_pb2.HealthCheckResponse.SERVING
+        return JSONResponse({"status": "ok" if ok else "unavailable", "manager": gateway.manager},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        info = await gateway.model_info(auth(request))
+        return {"object": "list", "data": [{
+            "id": info.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
+            "specinfer": {"expansion": list(info.expansion), "tree_budget": info.tree_budget,
+                          "speculators": info.speculators, "context_length": info.context_length,
+                          "default_max_new_tokens": info.default_max_new_tokens,
+                          "max_new_tokens_cap": info.max_new_tokens_cap}}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await gateway.generate(request, body, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await gateway.generate(request, body, "/v1/chat/completions")
+
+    return app
+
+
+class CountRequests:
+    """Pure ASGI middleware (it neither buffers streams nor hides disconnects): count each HTTP
+    response by path and status."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].startswith("/static"):
+            return await self.app(scope, receive, send)
+        path = scope["path"] if scope["path"] in ROUTES else "other"  # callers choose paths: bound the labels
+        status = []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self.counter.labels(path, str(status[0] if status else 499)).inc()

@@ -1,0 +1,209 @@
+"""The OpenAI request bodies the gateway accepts, and its errors in OpenAI's JSON shape.
+
+Parameters the system cannot honour are refused with 400 naming them, never silently ignored: `n`
+above 1, `logprobs`, `best_of`, `echo`, `suffix`, penalties, `logit_bias`, tools. They are accepted
+at their neutral values (`n: 1`, `presence_penalty: 0`, ...), which some clients always send.
+Extensions: `top_k`, `ignore_eos`, `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1];
+unset: the server's default) and `return_draft_trees` (each streamed step carries its draft tree).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specinfer.tree import parse_expansion, validate_expansion
+
+# gRPC status name -> (HTTP status, OpenAI error type)
+STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+
+
+# the manager's field names -> the request's
+OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "stop_token_ids": "stop",
+                 "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
+                 "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "speculation.expansion": "speculation", "speculation.mode": "speculation"}
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+
+    @classmethod
+    def bad(cls, param: str, message: str) -> ApiError:
+        return cls(400, f"{param}: {message}", param=param)
+
+    @classmethod
+    def from_grpc(cls, code_name: str, details: str) -> ApiError:
+        """The manager's error, its field (the message's "field: ..." prefix) named as OpenAI does."""
+        status, kind = STATUS.get(code_name, (500, "server_error"))
+        param = None
+        head, sep, rest = details.partition(": ")
+        if status == 400 and sep and " " not in head:
+            param = OPENAI_FIELDS.get(head, head)
+            details = f"{param}: {rest}"
+        return cls(status, details, kind, param, code_name.lower())
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Generation(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # OpenAI's default; 0 is greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=1 << 64)  # unset: 0
+    stop: str | list[str | int] | None = None  # strings, and token ids (ints)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # caller metadata, not used
+    # extensions
+    top_k: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    speculation: str | list[int] | None = None
+    return_draft_trees: bool = False
+    # refused unless neutral
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise ApiError.bad("n", f"only n = 1 is supported (one choice per request), got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError.bad(name, "not supported (outputs are exactly the model's distribution)")
+        if self.logit_bias:
+            raise ApiError.bad("logit_bias", "not supported (outputs are exactly the model's distribution)")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError.bad("stream_options", "only allowed with stream: true")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, str)]
+        if any(not s for s in stops):
+            raise ApiError.bad("stop", "stop strings must not be empty")
+        return stops
+
+    def stop_token_ids(self) -> list[int]:
+        return [] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, int)]
+
+    def expansion(self) -> str | None:
+        """The speculation setting as `specinfer_rpc.client.speculation_pb` takes it: None (the
+        server's), "off", or "k_1,...,k_m"."""
+        spec = self.speculation
+        if spec is None or spec == "default":
+            return None
+        if spec == "off":
+            return spec
+        try:
+            ks = parse_expansion(spec) if isinstance(spec, str) else list(spec)
+            if not ks:
+                raise ValueError("an empty expansion means no speculation: say \"off\"")
+            validate_expansion(ks)
+        except ValueError as e:
+            raise ApiError.bad("speculation", f"\"off\", \"default\" or an expansion k_1,...,k_m: {e}") from None
+        return ",".join(map(str, ks))
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.best_of not in (None, 1):
+            raise ApiError.bad("best_of", f"not supported (one choice per request), got {self.best_of}")
+        if self.logprobs is not None:
+            raise ApiError.bad("logprobs", "not supported")
+        if self.echo:
+            raise ApiError.bad("echo", "not supported")
+        if self.suffix is not None:
+            raise ApiError.bad("suffix", "not supported (no fill-in-the-middle)")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise ApiError.bad("prompt", f"one prompt per request, got {len(self.prompt)}")
+            self.prompt = self.prompt[0]
+        if not self.prompt:
+            raise ApiError.bad("prompt", "must not be empty")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError.bad(f"messages[{index}].content", "only text parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            raise ApiError.bad("logprobs", "not supported")
+        for name in ("tools", "tool_choice", "response_format"):
+            if getattr(self, name) is not None:
+                raise ApiError.bad(name, "not supported")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ApiError.bad("max_completion_tokens", "differs from max_tokens; give one")
+            self.max_tokens = self.max_completion_tokens
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """FastAPI's request validation errors as one 400 naming the first bad field."""
+    e = errors[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # a union's member name (e.g. "str", "list[int]") is not the caller's field
+    field = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool"))
+    if e.get("type") == "extra_forbidden":
+        return ApiError.bad(field, "unsupported parameter")
+    if e.get("type") == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON: {e.get('msg', '')}")
+    return ApiError.bad(field or "body", e.get("msg", "invalid"))

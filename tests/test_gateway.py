@@ -1,0 +1,249 @@
+"""The HTTP gateway as users see it: the official OpenAI client against real processes (verifier,
+speculators, managers, gateways) on the shipped models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from specinfer_rpc.launch import System, launch
+
+from .conftest import MODELS, ROOT
+from .services import active_requests, reference_greedy
+
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):
+    """The system with its gateway; a second manager on the same verifier and speculators that
+    wants a bearer token and holds one request running and one waiting, behind a gateway whose
+    tokenizer has a chat template and whose requests time out after 5 s; and a gateway in front
+    of an address where nothing listens."""
+    root = tmp_path_factory.mktemp("gateway")
+    chat_tok = root / "chat-tokenizer"
+    chat_tok.mkdir()
+    shutil.copy(MODELS / "llm" / "tokenizer.json", chat_tok)
+    config = json.loads((MODELS / "llm" / "tokenizer_config.json").read_text())
+    (chat_tok / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0, http_port=0,
+                    manager_args=["--kv-cache-share=0.5"], log_dir=root / "logs")
+    strict = System(log_dir=root / "logs")
+    dead = None
+    try:
+        verifier = system.by_name("verifier").address
+        specs = ",".join(s.address for s in system.services if s.name.startswith("speculator"))
+        manager = strict.start("manager-strict", "manager_svc",
+                               ["--port", "0", "--metrics-port", "0", "--verifier", verifier, "--speculators", specs, "--auth-token", "sesame",
+                                "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1"], 120)
+        strict.start("gateway-strict", "gateway_svc", ["--port", "0", "--manager", manager.address, "--tokenizer",
+                                                       str(chat_tok), "--request-timeout", "5"], 120, http="http")
+        dead_port = free_port()
+        dead = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--port", "0", "--manager",
+                                 f"127.0.0.1:{dead_port}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+        dead_address = next(line.split(" listening on ")[1].strip() for line in dead.stdout if " listening on " in line)
+        yield {"system": system, "url": system.gateway.url, "strict": strict.by_name("gateway-strict").url,
+               "strict_manager": manager, "dead": f"http://{dead_address}"}
+    finally:
+        if dead is not None:
+            dead.terminate()
+            dead.wait(30)
+        strict.stop()
+        system.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(MODELS / "llm")
+
+
+def client(url: str, token: str = "unused", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=token, max_retries=0, **kw)
+
+
+def reference_text(tokenizer, ids: list[int], n: int, ignore_eos: bool = False) -> tuple[str, list[int]]:
+    out = reference_greedy([ids], n, ignore_eos)[0]
+    return tokenizer.decode(out, skip_special_tokens=True), out
+
+
+def test_completions_greedy_text_is_the_llm_alone_streamed_or_not(gw, tokenizer, heldout_prompts):
+    c = client(gw["url"])
+    for p in heldout_prompts[:3]:
+        ids = tokenizer(p["prompt"])["input_ids"]
+        want, want_ids = reference_text(tokenizer, ids, 32, ignore_eos=True)
+        extra = {"speculation": "2,2,1,1", "ignore_eos": True}
+        whole = c.completions.create(model="llm", prompt=p["prompt"], max_tokens=32, temperature=0, extra_body=extra)
+        assert whole.choices[0].text == want
+        assert whole.choices[0].finish_reason == "length"
+        u = whole.usage
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(ids), 32, len(ids) + 32)
+        spec = u.model_extra["speculation"]
+        assert spec["mean_tokens_per_step"] == pytest.approx(32 / spec["verifier_steps"])
+        # every step emits its accepted drafts plus the LLM's own token (a last step may be cut)
+        assert 0 <= spec["accepted_draft_tokens"] - (32 - spec["verifier_steps"]) <= 1
+        assert spec["tree_steps"] >= 1
+
+        chunks = list(c.completions.create(model="llm", prompt=ids, max_tokens=32, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == want_ids
+        assert chunks[-1].usage.completion_tokens == 32 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer, heldout_prompts):
+    c = client(gw["url"])
+    prompt = heldout_prompts[0]["prompt"]
+    want, want_ids = reference_text(tokenizer, tokenizer(prompt)["input_ids"], 48, ignore_eos=True)
+    stop = next(want[i:i + 2] for i in range(4, len(want) - 2) if want[i:i + 2].strip())  # a string that occurs
+    for stream in (False, True):
+        got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, stop=[stop],
+                                   stream=stream, extra_body={"ignore_eos": True})
+        text = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
+        assert text == want[:want.index(stop)]
+    token = want_ids[5]
+    got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, extra_body={
+        "ignore_eos": True, "stop": [token]})
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == tokenizer.decode(want_ids[:want_ids.index(token)], skip_special_tokens=True)
+
+
+def test_chat_uses_the_checkpoints_template_and_a_model_without_one_gets_400(gw, tokenizer):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    c = client(gw["strict"], "sesame")
+    prompt = ("### system:\nYou write Python.\n### user:\ndef add(a, b):\n### assistant:\n")
+    want, _ = reference_text(tokenizer, tokenizer(prompt)["input_ids"], 12, ignore_eos=True)
+    whole = c.chat.completions.create(model="llm", messages=messages, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    chunks = list(c.chat.completions.create(model="llm", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gw["url"]).chat.completions.create(model="llm", messages=messages, max_tokens=4)
+    assert e.value.body["param"] == "messages" and "chat template" in e.value.body["message"]
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 100000}, "max_tokens"),
+    ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"extra_body": {"speculation": "9,9"}}, "speculation"),
+    ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
+    ({"prompt": ""}, "prompt")])
+def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):
+    kw = {"model": "llm", "prompt": "x", "max_tokens": 4, **params}
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gw["url"]).completions.create(**kw)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == field and e.value.body["message"].startswith(field), e.value.body
+
+
+def test_error_statuses_in_openais_shape(gw):
+    c = client(gw["url"])
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    for token in ("unused", "wrong"):
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(gw["strict"], token).completions.create(model="llm", prompt="x", max_tokens=2)
+        assert e.value.body["type"] == "authentication_error"
+    ok = client(gw["strict"], "sesame").completions.create(model="llm", prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+    with pytest.raises(openai.APIStatusError) as e:
+        client(gw["dead"]).completions.create(model="llm", prompt="x", max_tokens=2)
+    assert e.value.status_code == 503
+    with urllib.request.urlopen(gw["url"] + "/health") as r:
+        assert json.load(r)["status"] == "ok"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(gw["dead"] + "/health")
+    assert e.value.code == 503
+    request = urllib.request.Request(gw["url"] + "/v1/completions", b"{not json", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request)
+    assert e.value.code == 400 and "error" in json.load(e.value)
+
+
+def test_a_full_queue_gets_429_and_a_slow_request_504(gw):
+    """The strict manager runs one request and queues one; its gateway gives a request 5 s."""
+    c = client(gw["strict"], "sesame")
+    long = {"model": "llm", "prompt": "def f(x):", "max_tokens": 1000, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    running = c.completions.create(**long, stream=True)
+    next(iter(running))  # the first request is running
+    outcomes = []
+    queued = threading.Thread(target=lambda: outcomes.append(_status(lambda: c.completions.create(**long))))
+    queued.start()
+    deadline = time.monotonic() + 30
+    while waiting(gw["strict_manager"]) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(**long)
+    assert e.value.status_code == 429 and e.value.body["type"] == "rate_limit_error"
+    running.close()
+    queued.join(60)
+    assert outcomes == [504]  # 1000 tokens take longer than 5 s on any machine this runs on
+
+
+def _status(call) -> int:
+    try:
+        call()
+        return 200
+    except openai.APIStatusError as e:
+        return e.status_code
+
+
+def waiting(manager) -> float:
+    return gateway_metric(manager.metrics.removesuffix("/metrics"), "specinfer_requests_waiting")
+
+
+def test_a_client_that_disconnects_frees_the_request_on_every_service(gw):
+    system = gw["system"]
+    before = gateway_metric(gw["url"], "specinfer_gateway_client_disconnects_total")
+    c = client(gw["url"], timeout=2.0)
+    long = {"model": "llm", "prompt": "class A:", "max_tokens": 1000, "temperature": 0,
+            "extra_body": {"ignore_eos": True, "speculation": "2,1"}}
+    stream = c.completions.create(**long, stream=True)
+    events = iter(stream)
+    next(events), next(events)
+    assert sum(active_requests(system).values()) > 0  # mid-stream: the request holds state
+    stream.close()
+    with pytest.raises(openai.APITimeoutError):  # non-streaming: the client gives up after 2 s
+        c.completions.create(**long)
+    deadline = time.monotonic() + 30
+    while sum(active_requests(system).values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert active_requests(system) == {s.name: 0 for s in system.services if s.name not in ("manager", "gateway")}
+    metrics = urllib.request.urlopen(system.manager.metrics).read().decode()
+    assert "specinfer_requests_running 0.0" in metrics
+    assert gateway_metric(gw["url"], "specinfer_gateway_client_disconnects_total") == before + 2
+    assert gateway_metric(gw["url"], "specinfer_gateway_requests_in_flight") == 0
+
+
+def gateway_metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_models_lists_the_served_model_with_its_speculation_settings(gw):
+    models = client(gw["url"]).models.list().data
+    assert [m.id for m in models] == ["llm"]
+    assert models[0].model_extra["specinfer"]["expansion"] == [2, 1, 1]
