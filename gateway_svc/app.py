@@ -146,7 +146,7 @@ class Gateway:
                                                "(tokenizer_config.json chat_template); use /v1/completions")
             messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
         if isinstance(body.prompt, str):
             return self.tokenizer(body.prompt)["input_ids"]
         return list(body.prompt)

@@ -92,9 +92,9 @@ class System:
             raise RuntimeError(f"{service.name} did not start (exit code {proc.wait()})")
         service.address = address
         if service.http:
-            wait_http_healthy(service.url, timeout, self.ssl_context)
+            wait_healthy(service.url, lambda: http_serving(service.url, self.ssl_context), timeout)
         else:
-            wait_healthy(address, timeout, self.credentials)
+            wait_healthy(address, lambda: grpc_serving(address, self.credentials), timeout)
 
     def stop(self, grace: float = 30.0) -> None:
         for s in reversed(self.services):
@@ -109,30 +109,27 @@ class System:
                 s.process.wait()
 
 
-def wait_http_healthy(url: str, timeout: float, context: ssl.SSLContext | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as r:
-                if r.status == 200:
-                    return
-        except OSError:  # refused, or 503 (urllib.error.HTTPError is an OSError)
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} not healthy after {timeout}s")
-        time.sleep(0.2)
+def grpc_serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    try:
+        return check(address, timeout=2, credentials=credentials) == "SERVING"
+    except grpc.RpcError:
+        return False
 
 
-def wait_healthy(address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+def http_serving(url: str, context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as r:
+            return r.status == 200
+    except OSError:  # refused, or 503 (urllib.error.HTTPError is an OSError)
+        return False
+
+
+def wait_healthy(what: str, serving, timeout: float) -> None:
+    """Poll `serving()` until it is true; RuntimeError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if check(address, timeout=2, credentials=credentials) == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
+    while not serving():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{address} not healthy after {timeout}s")
+            raise RuntimeError(f"{what} not healthy after {timeout}s")
         time.sleep(0.2)
 
 
