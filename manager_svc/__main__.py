@@ -45,8 +45,9 @@ class ManagerConfig(ServerConfig):
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
     expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
     tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
-    adaptive: bool = option(True, "turn the server's trees off at batch sizes where throughput is measured "
-                                  "to be better without them")
+    adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none) from a cost "
+                                  "model fitted online and the measured acceptance; off: the whole expansion "
+                                  "within the tree budget")
     kv_cache_share: float = option(1.0, "fraction of the verifier's KV cache this manager may reserve "
                                         "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")

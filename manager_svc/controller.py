@@ -1,44 +1,149 @@
-"""Whether speculation pays at the current batch size, decided from measurements.
+"""How deep the server's draft trees should be at the current batch size, from a cost model.
 
-The tree budget bounds how many tree nodes a batch may verify, but not whether a tree is worth
-its cost: that depends on the hardware (on a GPU verifying 64 extra rows is almost free; on a CPU
-it is not) and on how well the SSMs predict. So the manager measures. Per batch-size bucket
-(1, 2-3, 4-7, 8-15, ...) it keeps the output rate (tokens per second over whole iterations,
-drafting, RPCs and verification included) with speculation and without, as moving averages, and
-speculates only where that is faster by `margin` (measurements are noisy, and the promise is never
-to be slower than no speculation); every `explore`-th iteration of a bucket it runs the other
-choice to keep its estimate current.
+Each iteration the manager may draft with any prefix <k_1..k_m> of the server's expansion config
+that fits the tree budget (m = 0: no tree, plain incremental decoding). The controller picks the m
+that maximizes the expected output of the whole batch per second (Sequoia's objective, per batch
+size B):
 
-Only steady iterations (no prompt being prefilled) are recorded: a prefill would be charged to
-whichever choice happened to run it.
+    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + draft(m, nodes) + overhead(B, m > 0))
+
+- P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
+  tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
+  depth d (the same widths at every depth: prefixes of one expansion config).
+- verify(B, rows) is the verifier's own step time, fitted to [1, B, rows] (rows: tokens verified,
+  tree nodes included); draft(m, nodes) the slowest speculator's own time, fitted to [1, m, nodes];
+  overhead the rest of the iteration (RPCs, the manager), fitted to [1, B, drafting].
+- Expected rows and nodes per request at depth m are measured (merging unions the speculators'
+  trees, so how many nodes a request verifies depends on how often they agree).
+
+All fits are least squares over the most recent `window` steady iterations (no prompt being
+prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
+same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
+wins, depth drops to 0. Trees shrink smoothly as the batch grows, because the rows cost grows with B
+while the drafting cost per token does not shrink. Every `explore`-th iteration at a batch size runs
+a neighbouring depth instead, so that every estimate stays current.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Fit:
+    """Least squares of y on features x over the last `window` samples (a small ridge keeps it
+    defined before the samples span every feature)."""
+
+    window: int = 256
+    samples: deque = field(default_factory=deque)
+    coef: np.ndarray | None = None
+
+    def add(self, x: list[float], y: float) -> None:
+        self.samples.append((x, y))
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+        self.coef = None
+
+    def __call__(self, x: list[float]) -> float:
+        if not self.samples:
+            return 0.0
+        if self.coef is None:
+            xs = np.array([s[0] for s in self.samples], dtype=float)
+            ys = np.array([s[1] for s in self.samples], dtype=float)
+            ridge = 1e-6 * np.eye(xs.shape[1]) * max(1.0, float((xs**2).sum()) / len(xs))
+            self.coef = np.linalg.solve(xs.T @ xs + ridge, xs.T @ ys)
+        return max(0.0, float(np.dot(self.coef, x)))
+
+
+@dataclass
+class Step:
+    """What one steady iteration did and cost, for the controller."""
+
+    batch_size: int
+    depth: int  # depth of the server's trees this iteration (0: none)
+    rows: int  # tokens the verifier checked, tree nodes included
+    draft_levels: int  # deepest tree drafted (0: no draft call)
+    draft_nodes: int  # nodes the slowest speculator drafted
+    seconds: float  # the whole iteration
+    verify_s: float  # the verifier's own step time
+    draft_s: float  # the slowest speculator's own time
+    # per request drafted on the server's trees: (accepted draft tokens, depth of its tree)
+    accepted: list[tuple[int, int]] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)  # nodes of those requests' merged trees
+
 
 class SpeculationController:
-    def __init__(self, explore: int = 48, smoothing: float = 0.1, margin: float = 0.1):
+    def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
+                 forget: float = 0.99):
         self.explore = explore
-        self.smoothing = smoothing
-        self.margin = margin
-        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> tokens/s
-        self.iterations: dict[int, int] = {}
+        self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
+        self.prior, self.prior_weight, self.forget = prior, prior_weight, forget
+        self.reached: dict[int, float] = {}  # depth d -> steps whose path could accept at d (decayed)
+        self.hit: dict[int, float] = {}  # depth d -> of those, steps that did
+        self.nodes: dict[int, float] = {}  # depth m -> mean merged tree nodes per request
+        self.iterations: dict[int, int] = {}  # batch size -> iterations planned
+        self.seen: dict[int, int] = {}  # depth -> iterations measured at it
 
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        return batch_size.bit_length()
+    def acceptance(self, d: int) -> float:
+        """Measured probability that a token is accepted at depth d, given its parent was."""
+        return (self.hit.get(d, 0.0) + self.prior * self.prior_weight) / (self.reached.get(d, 0.0) + self.prior_weight)
 
-    def speculate(self, batch_size: int) -> bool:
-        b = self.bucket(batch_size)
-        n = self.iterations[b] = self.iterations.get(b, 0) + 1
-        on, off = self.rate.get((b, True)), self.rate.get((b, False))
-        if on is None or off is None:  # measure both first
-            return on is None
-        better = on > (1 + self.margin) * off
-        return (not better) if n % self.explore == 0 else better
+    def expected_tokens(self, m: int) -> float:
+        """Tokens a request emits per step with trees of depth m: the bonus token plus the expected
+        accepted path length."""
+        total, p = 1.0, 1.0
+        for d in range(1, m + 1):
+            p *= self.acceptance(d)
+            total += p
+        return total
 
-    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        key = (self.bucket(batch_size), speculated)
-        rate = tokens / max(seconds, 1e-9)
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
+    def tree_nodes(self, m: int, full_tree: int) -> float:
+        return self.nodes.get(m, float(full_tree)) if m else 0.0
+
+    def rate(self, batch_size: int, m: int, full_tree: int) -> float:
+        """Predicted tokens per second of the batch with trees of depth m (full_tree: nodes of one
+        speculator's tree of that depth)."""
+        nodes = self.tree_nodes(m, full_tree)
+        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes)])
+                   + (self.draft([1.0, m, batch_size * full_tree]) if m else 0.0)
+                   + self.overhead([1.0, batch_size, float(m > 0)]))
+        return batch_size * self.expected_tokens(m) / max(seconds, 1e-9)
+
+    def depth(self, batch_size: int, full_trees: list[int]) -> int:
+        """The depth of the server's trees this iteration; full_trees[m-1] is the node count of one
+        speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
+        top = len(full_trees)
+        if top == 0:
+            return 0
+        for m in range(top + 1):  # measure every depth a couple of times first
+            if self.seen.get(m, 0) < 2:
+                return m
+        best = max(range(top + 1), key=lambda m: self.rate(batch_size, m, full_trees[m - 1] if m else 0))
+        n = self.iterations[batch_size] = self.iterations.get(batch_size, 0) + 1
+        if n % self.explore == 0:  # a neighbour, alternately shallower and deeper
+            down = (n // self.explore) % 2 == 1
+            return best - 1 if (down and best > 0) or best == top else best + 1
+        return best
+
+    def record(self, step: Step) -> None:
+        self.seen[step.depth] = self.seen.get(step.depth, 0) + 1
+        self.verify.add([1.0, step.batch_size, step.rows], step.verify_s)
+        if step.draft_levels:
+            self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
+        self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
+                          max(0.0, step.seconds - step.verify_s - step.draft_s))
+        if not step.depth or not step.accepted:
+            return
+        for table in (self.reached, self.hit):
+            for d in table:
+                table[d] *= self.forget
+        for a, depth in step.accepted:
+            for d in range(1, min(a + 1, depth) + 1):
+                self.reached[d] = self.reached.get(d, 0.0) + 1
+                self.hit[d] = self.hit.get(d, 0.0) + (a >= d)
+        mean_nodes = sum(step.tree_nodes) / len(step.tree_nodes)
+        old = self.nodes.get(step.depth)
+        self.nodes[step.depth] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes

@@ -13,10 +13,10 @@ truth. Each iteration:
      their state on every service (piggybacked on the next messages, or sent at once when idle).
 
 Tree budget: the server's expansion config is cut, per request, to at most
-tree_budget // batch_size nodes, so speculation shrinks as the batch grows; and a controller
-(controller.py) turns the server's trees off at batch sizes where measured throughput is better
-without them, down to plain incremental decoding. A request that fixes its own expansion gets
-exactly that (its seeded samples then do not depend on the load).
+tree_budget // batch_size nodes, so speculation shrinks as the batch grows; within that, a
+controller (controller.py) picks each iteration's depth of the server's trees from a cost model
+fitted online and the measured acceptance, down to none (plain incremental decoding). A request
+that fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
 
 Nothing here computes: the event loop only moves token IDs. It knows nothing of protobuf.
 """
@@ -39,7 +39,7 @@ from specinfer_rpc.server import Abort
 
 from . import metrics
 from .clients import Check, Draft, VerifierClient, VerifierResync, VerifierUnavailable
-from .controller import SpeculationController
+from .controller import SpeculationController, Step
 from .replicas import SpeculatorReplicas
 
 log = logging.getLogger("specinfer.manager")
@@ -174,8 +174,9 @@ class Scheduler:
         self._admit()
         batch = list(self.running.values())
         steady = all(s.verifier_has for s in batch)
-        speculate = self.controller is None or self.controller.speculate(len(batch))
-        trees, sources = await self._draft(batch, speculate)
+        full_trees = self._full_trees(len(batch))
+        depth = len(full_trees) if self.controller is None else self.controller.depth(len(batch), full_trees)
+        trees, sources, plans = await self._draft(batch, depth)
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
                 for c in self.speculators:
@@ -204,8 +205,16 @@ class Scheduler:
             for s in batch:
                 self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
+        draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
         if self.controller is not None and steady:
-            self.controller.record(len(batch), speculate, sum(map(len, results)), time.perf_counter() - start)
+            on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in trees]
+            self.controller.record(Step(
+                batch_size=len(batch), depth=depth, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
+                draft_levels=max(map(len, plans.values()), default=0),
+                draft_nodes=sum(tree_size(p) for p in plans.values()),
+                seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
+                accepted=[(len(r) - 1, len(plans[s.id])) for s, r in on_server],
+                tree_nodes=[len(trees[s.id]) for s, _ in on_server]))
         now = time.monotonic()
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran; already retired
@@ -230,7 +239,6 @@ class Scheduler:
             if reason:
                 metrics.E2E.observe(now - s.arrived)
                 self._retire(s, reason)
-        draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
         metrics.BATCH_SIZE.observe(len(batch))
         metrics.ITERATION.observe(time.perf_counter() - start)
         stats = self.stats
@@ -264,43 +272,49 @@ class Scheduler:
         slots = len(seq.request.prompt) + seq.request.max_new_tokens + tree * len(self.speculators)
         return -(-slots // self.kv_block_size) * self.kv_block_size
 
-    def _plan(self, seq: Sequence, per_request: int) -> list[int]:
-        """The request's expansion config this step: its own if fixed, else the server's within
-        `per_request` nodes (0: none)."""
-        expansion = fit_expansion(self.expansion, per_request) if seq.expansion is None else seq.expansion
+    def _full_trees(self, batch_size: int) -> list[int]:
+        """Nodes of one speculator's tree for each depth of the server's expansion config that fits
+        the tree budget at this batch size (the depths the controller may choose from)."""
+        fits = fit_expansion(self.expansion, self.tree_budget // max(batch_size, 1))
+        return [tree_size(fits[:m]) for m in range(1, len(fits) + 1)]
+
+    def _plan(self, seq: Sequence, depth: int) -> list[int]:
+        """The request's expansion config this step: its own if fixed, else the server's first
+        `depth` levels."""
+        expansion = self.expansion[:depth] if seq.expansion is None else seq.expansion
         # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
         return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
 
-    def _why_no_plan(self, seq: Sequence, speculate: bool, batch_size: int) -> str:
+    def _why_no_plan(self, seq: Sequence, batch_size: int) -> str:
         """Why `_plan` gave the request no tree this step, in words for its usage report."""
         if seq.expansion == []:
             return "speculation off for this request"
         if seq.request.max_new_tokens - len(seq.generated) <= 1:
             return "the last token needs no draft"
-        if not speculate:
-            return f"the manager measured plain decoding faster at batch size {batch_size}"
         if not self.expansion:
             return "the server's default expansion is empty"
-        return (f"the tree budget ({self.tree_budget} nodes) over {batch_size} requests is smaller than the "
-                f"expansion's first level ({self.expansion[0]})")
+        if not self._full_trees(batch_size):
+            return (f"the tree budget ({self.tree_budget} nodes) over {batch_size} requests is smaller than the "
+                    f"expansion's first level ({self.expansion[0]})")
+        return f"the manager's cost model predicts plain decoding faster at batch size {batch_size}"
 
-    async def _draft(self, batch: list[Sequence], speculate: bool
-                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]]]:
-        """Each request's merged draft tree (none for a request that gets no tree this step), and
-        for requests that asked for their trees, the trees it merged by speculator number."""
-        per_request = self.tree_budget // max(len(batch), 1) if speculate else 0
+    async def _draft(self, batch: list[Sequence], depth: int
+                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]]]:
+        """Each request's merged draft tree (none for a request that gets no tree this step), for
+        requests that asked for their trees the trees it merged by speculator number, and the
+        expansion config each drafted request was asked for."""
         drafting = []
         for s in batch:
-            if plan := self._plan(s, per_request):
+            if plan := self._plan(s, depth):
                 drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
             else:
-                s.no_tree[self._why_no_plan(s, speculate, len(batch))] += 1
+                s.no_tree[self._why_no_plan(s, len(batch))] += 1
         if not drafting or not self.speculators:
             for c in self.speculators:
                 c.draft_ns = 0
             for s, _ in drafting:
                 s.no_tree["no speculators configured"] += 1
-            return {}, {}
+            return {}, {}, {}
         answers = await asyncio.gather(*(c.draft([d for _, d in drafting]) for c in self.speculators))
         merged, sources = {}, {}
         for s, _ in drafting:
@@ -311,7 +325,7 @@ class Scheduler:
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
             if s.want_trees:
                 sources[s.id] = trees
-        return merged, sources
+        return merged, sources, {s.id: d.expansion for s, d in drafting}
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""

@@ -1,46 +1,100 @@
-"""Train the shipped default models on the Python standard library's own source code.
+"""Train the shipped default models on Python source code that every machine with the project has.
 
 Produces, in Hugging Face format (config.json, model.safetensors, tokenizer files):
-  models/llm    the LLM (Llama architecture, ~11M parameters)
-  models/ssm-0  SSM 0, distilled from the LLM's own outputs
-  models/ssm-1  SSM 1, boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
-and models/heldout_prompts.jsonl: prompts cut from standard-library files that no model saw.
+  models/llm    the LLM (Llama architecture, 8 layers)
+  models/ssm-0  SSM 0 (1 layer), distilled from the LLM's own outputs
+  models/ssm-1  SSM 1 (1 layer), boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
+and models/heldout_prompts.jsonl: prompts cut from held-out files that no model saw.
 
-The corpus is every `*.py` of this interpreter's standard library (tests excluded), split by a hash
-of the file's path into train and held-out files. Everything is seeded; on the same interpreter and
+The corpus is every `*.py` of this interpreter's standard library and of the installed packages the
+project depends on (its `test` extra included: torch, transformers, numpy, scipy, grpc, protobuf and
+their dependencies), test directories excluded, deduplicated by content and split by a hash of each
+file's path into train and held-out files. The byte-level BPE is trained on the train files.
+
+Every stage is checkpointed under --work (default `.train/`): run the same command again after an
+interruption and it resumes where it stopped. Everything is seeded; on the same interpreter and
 package versions a rerun writes the same weights. Nothing is downloaded.
 
-    python scripts/train_models.py --out models
+    python scripts/train_models.py --out models                  # train (hours on 2 CPU cores)
+    python scripts/train_models.py --out models --evaluate-only  # measure the models in --out
+
+The evaluation (held-out loss per byte of text, SSM greedy agreement with the LLM on held-out
+continuations, three held-out continuations) is printed and written to --report.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
 import sysconfig
+import time
 import zlib
+from importlib import metadata
 from pathlib import Path
 
 import torch
+from packaging.requirements import Requirement
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
+SKIP_DIRS = {"site-packages", "test", "tests", "testing", "idle_test", "__pycache__", "lib2to3"}
+MAX_FILE_BYTES = 400_000  # larger sources are generated tables, not code anyone wrote
+PROJECT = "specinfer"
 
 
-def corpus_files(heldout_every: int) -> tuple[list[Path], list[Path]]:
-    """Standard-library source files split into (train, held-out) by a hash of the relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if SKIP_DIRS & set(rel.parts[:-1]):
+# ---------------------------------------------------------------------------------------- corpus
+
+def project_distributions() -> list[metadata.Distribution]:
+    """The project's installed dependencies (its `test` extra included), transitively."""
+    seen: dict[str, metadata.Distribution] = {}
+    todo = [(PROJECT, {"test"})]
+    while todo:
+        name, extras = todo.pop()
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
             continue
-        (heldout if zlib.crc32(str(rel).encode()) % heldout_every == 0 else train).append(path)
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in seen:
+            continue
+        seen[key] = dist
+        for spec in dist.requires or []:
+            req = Requirement(spec)
+            env_extras = extras or {""}
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in env_extras):
+                todo.append((req.name, set(req.extras)))
+    seen.pop(PROJECT, None)
+    return [seen[k] for k in sorted(seen)]
+
+
+def corpus_files(heldout_every: int) -> tuple[list[tuple[str, Path]], list[tuple[str, Path]]]:
+    """(name, path) of the corpus's source files split into (train, held-out) by a hash of the name,
+    the path relative to the standard library or to site-packages. Files whose bytes repeat an earlier
+    file's are dropped."""
+    named: dict[str, Path] = {}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib.rglob("*.py"):
+        named[f"stdlib/{path.relative_to(stdlib)}"] = path
+    for dist in project_distributions():
+        for f in dist.files or []:
+            if f.suffix == ".py":
+                named[str(f)] = Path(dist.locate_file(f))
+    train, heldout, hashes = [], [], set()
+    for name in sorted(named):
+        path = named[name]
+        if SKIP_DIRS & set(Path(name).parts[1:-1]) or not path.is_file():
+            continue
+        data = path.read_bytes()
+        digest = hashlib.sha1(data).digest()
+        if len(data) > MAX_FILE_BYTES or not data.strip() or digest in hashes:
+            continue
+        hashes.add(digest)
+        (heldout if zlib.crc32(name.encode()) % heldout_every == 0 else train).append((name, path))
     return train, heldout
 
 
@@ -58,29 +112,43 @@ def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=True,
     )
-    tok.train_from_iterator((read(f) for f in files), trainer=trainer)
+    tok.train_from_iterator((read(f) for f in files), trainer=trainer, length=len(files))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=None, pad_token=EOS
     )
 
 
-def heldout_prompts(files: list[Path], count: int, rng: random.Random) -> list[dict]:
-    """Snippets that end just after a `def` line's signature: the model continues the body."""
+def tokenize(tokenizer, files: list[Path], eos: int) -> torch.Tensor:
+    """The files' tokens, each file followed by EOS, as one uint16 tensor."""
+    out = []
+    for i in tqdm(range(0, len(files), 256), desc="tokenize", unit_scale=256):
+        enc = tokenizer([read(f) for f in files[i : i + 256]])["input_ids"]
+        for ids in enc:
+            out.append(torch.tensor(ids + [eos], dtype=torch.int32))
+    return torch.cat(out).to(torch.uint16)
+
+
+def heldout_prompts(files: list[tuple[str, Path]], count: int, rng: random.Random) -> list[dict]:
+    """Snippets that end with a `def` line's signature (its colon: the newline and the body's
+    indentation form one token, so a prompt that ended in a bare newline would ask for a top-level
+    line): the model continues the body."""
     candidates = []
-    for f in files:
+    for name, f in files:
         lines = read(f).splitlines(keepends=True)
         for i, line in enumerate(lines):
             if line.lstrip().startswith("def ") and line.rstrip().endswith(":") and i >= 6:
-                candidates.append((f.name, "".join(lines[i - 6 : i + 1])))
+                candidates.append((Path(name).name, "".join(lines[i - 6 : i + 1]).rstrip("\n")))
     rng.shuffle(candidates)
     chosen = sorted(candidates[:count])
     return [{"id": f"heldout-{k:02d}-{name}", "prompt": text} for k, (name, text) in enumerate(chosen)]
 
 
+# -------------------------------------------------------------------------------------- training
+
 def batches(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
     while True:
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=gen)
-        yield torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+        yield torch.stack([data[s : s + seq_len] for s in starts.tolist()]).long()
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -89,11 +157,21 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def optimize(model, loss_of_step, steps, lr, weight_decay, betas, desc):
-    """AdamW with warmup + cosine decay; loss_of_step() draws its own batch and returns the loss."""
+def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Path, desc, every_s=300.0):
+    """AdamW with warmup + cosine decay; loss_of_step() draws its own batch from `gen` and returns the
+    loss. The model, the optimizer and `gen` are saved to `ckpt` every `every_s` seconds and the run
+    resumes from there."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        start = state["step"]
     model.train()
-    bar = tqdm(range(steps), desc=desc)
+    bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps)
+    saved = time.monotonic()
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
@@ -103,10 +181,15 @@ def optimize(model, loss_of_step, steps, lr, weight_decay, betas, desc):
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if time.monotonic() - saved > every_s or step + 1 == steps:
+            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}
+            torch.save(state, ckpt.with_suffix(".tmp"))
+            ckpt.with_suffix(".tmp").replace(ckpt)
+            saved = time.monotonic()
     model.eval()
 
 
-def train_lm(model, data, steps, seq_len, batch, lr, gen, desc):
+def train_lm(model, data, steps, seq_len, batch, lr, gen, ckpt, desc):
     """Plain next-token pretraining on the corpus."""
     it = batches(data, seq_len, batch, gen)
 
@@ -114,7 +197,24 @@ def train_lm(model, data, steps, seq_len, batch, lr, gen, desc):
         x = next(it)
         return model(input_ids=x, labels=x).loss
 
-    optimize(model, loss, steps, lr, 0.1, (0.9, 0.95), desc)
+    optimize(model, loss, steps, lr, 0.1, (0.9, 0.95), gen, ckpt, desc)
+
+
+@torch.no_grad()
+def continuations(llm, prompts: torch.Tensor, new_tokens: int, sample_every_other: bool, gen) -> torch.Tensor:
+    """The LLM's continuations of equal-length prompts, 64 at a time: greedy, or alternately greedy
+    and sampled at T=0.8."""
+    seqs = []
+    for i in tqdm(range(0, len(prompts), 64), desc="LLM continuations"):
+        chunk = prompts[i : i + 64]
+        sample = sample_every_other and (i // 64) % 2 == 1
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        seqs.append(llm.generate(
+            input_ids=chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=sample, temperature=0.8 if sample else None,
+            top_k=None, top_p=None, pad_token_id=0,
+        ))
+    return torch.cat(seqs)
 
 
 @torch.no_grad()
@@ -122,25 +222,8 @@ def distillation_set(llm, data, count, prompt_len, new_tokens, top_k, gen):
     """The LLM's own continuations of corpus windows (half greedy, half sampled at T=0.8), with the
     LLM's top-k next-token distribution at every position as soft targets."""
     starts = torch.randint(0, data.numel() - prompt_len, (count,), generator=gen)
-    prompts = torch.stack([data[s : s + prompt_len] for s in starts.tolist()])
-    seqs = []
-    for i in tqdm(range(0, count, 64), desc="LLM continuations"):
-        chunk = prompts[i : i + 64]
-        sample = (i // 64) % 2 == 1
-        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-        out = llm.generate(
-            input_ids=chunk,
-            attention_mask=torch.ones_like(chunk),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=sample,
-            temperature=0.8 if sample else None,
-            top_k=None,
-            top_p=None,
-            pad_token_id=0,
-        )
-        seqs.append(out)
-    seqs = torch.cat(seqs)
+    prompts = torch.stack([data[s : s + prompt_len] for s in starts.tolist()]).long()
+    seqs = continuations(llm, prompts, new_tokens, True, gen)
     probs, ids = [], []
     for i in tqdm(range(0, count, 32), desc="LLM soft targets"):
         p = llm(input_ids=seqs[i : i + 32]).logits.float().softmax(-1)
@@ -150,7 +233,7 @@ def distillation_set(llm, data, count, prompt_len, new_tokens, top_k, gen):
     return seqs, torch.cat(ids), torch.cat(probs)
 
 
-def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, desc):
+def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
     """Minimize cross-entropy of the SSM against the LLM's sparse next-token distribution, at the
     positions where `weight` is 1 (all of them for SSM 0; the ones SSM 0 gets wrong for SSM 1)."""
 
@@ -161,16 +244,25 @@ def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, desc):
         w = weight[rows]
         return (ce * w).sum() / w.sum().clamp(min=1)
 
-    optimize(ssm, loss, epochs * math.ceil(len(seqs) / batch), lr, 0.0, (0.9, 0.999), desc)
+    optimize(ssm, loss, epochs * math.ceil(len(seqs) / batch), lr, 0.0, (0.9, 0.999), gen, ckpt, desc)
 
 
 @torch.no_grad()
-def agrees(ssm, seqs, ids) -> torch.Tensor:
-    """1.0 where the SSM's argmax equals the LLM's argmax (the first of its top-k ids)."""
+def agrees(ssm, seqs, llm_top1) -> torch.Tensor:
+    """1.0 where the SSM's argmax equals the LLM's argmax at the same position."""
     out = []
     for i in range(0, len(seqs), 64):
-        out.append(ssm(input_ids=seqs[i : i + 64]).logits.argmax(-1) == ids[i : i + 64, :, 0])
+        out.append(ssm(input_ids=seqs[i : i + 64]).logits.argmax(-1) == llm_top1[i : i + 64])
     return torch.cat(out).float()
+
+
+def truncated(llm, cfg: LlamaConfig) -> LlamaForCausalLM:
+    """A model of `cfg` (the LLM's width, fewer layers) that starts from the LLM's embedding, its first
+    layers and its final norm."""
+    model = LlamaForCausalLM(cfg)
+    missing = model.load_state_dict(llm.state_dict(), strict=False).missing_keys
+    assert not missing, missing
+    return model
 
 
 def save(model, tokenizer, path: Path):
@@ -180,32 +272,108 @@ def save(model, tokenizer, path: Path):
     tokenizer.save_pretrained(path)
 
 
+# ------------------------------------------------------------------------------------ evaluation
+
+@torch.no_grad()
+def nats_per_byte(model, tokenizer, texts: list[str], window: int = 256) -> float:
+    """Next-token loss on whole texts in nats per UTF-8 byte: each text starts after an EOS and is cut
+    into windows that overlap by one token, so every token is predicted exactly once."""
+    eos = tokenizer.eos_token_id
+    nll, nbytes = 0.0, 0
+    for text in tqdm(texts, desc="held-out loss", leave=False):
+        ids = torch.tensor([eos] + tokenizer(text)["input_ids"])
+        nbytes += len(text.encode())
+        for s in range(0, len(ids) - 1, window):
+            x = ids[s : s + window + 1][None]
+            logp = model(input_ids=x[:, :-1]).logits.float().log_softmax(-1)
+            nll -= logp.gather(-1, x[:, 1:, None]).sum().item()
+    return nll / nbytes
+
+
+@torch.no_grad()
+def evaluate(out: Path, heldout: list[tuple[str, Path]], eval_bytes: int, new_tokens: int, seed: int) -> dict:
+    """Held-out loss per byte (the LLM, SSM 0), split into standard-library and package files; greedy
+    agreement of each SSM and of both merged with the LLM's greedy continuations of held-out prompts."""
+    tokenizer = AutoTokenizer.from_pretrained(out / "llm")
+    models_ = {n: LlamaForCausalLM.from_pretrained(out / n, dtype=torch.float32).eval() for n in ("llm", "ssm-0", "ssm-1")}
+    order = sorted(heldout, key=lambda nf: hashlib.sha1(nf[0].encode()).digest())
+    report: dict = {"parameters": {n: sum(p.numel() for p in m.parameters()) for n, m in models_.items()},
+                    "layers": {n: m.config.num_hidden_layers for n, m in models_.items()},
+                    "bytes_bf16": sum((out / n / "model.safetensors").stat().st_size for n in models_)}
+    for group in ("stdlib", "packages"):
+        texts, size = [], 0
+        for name, path in order:
+            if (name.startswith("stdlib/")) == (group == "stdlib") and size < eval_bytes:
+                texts.append(read(path))
+                size += len(texts[-1].encode())
+        report[f"heldout_{group}_bytes"] = size
+        for n in ("llm", "ssm-0"):
+            report[f"{n}_nats_per_byte_{group}"] = round(nats_per_byte(models_[n], tokenizer, texts), 4)
+    prompts = [json.loads(line)["prompt"] for line in open(out / "heldout_prompts.jsonl")]
+    greedy, top1 = [], []
+    for p in prompts:
+        ids = torch.tensor([tokenizer(p)["input_ids"]])
+        seq = continuations(models_["llm"], ids, new_tokens, False, torch.Generator().manual_seed(seed))
+        greedy.append(seq)
+        top1.append(models_["llm"](input_ids=seq).logits.argmax(-1))
+    hits = {}
+    for n in ("ssm-0", "ssm-1"):
+        # positions whose next token is a generated one: from the prompt's last token on
+        hits[n] = torch.cat([agrees(models_[n], s, t)[0, -new_tokens - 1 : -1] for s, t in zip(greedy, top1)])
+    report["agreement_ssm-0"] = round(hits["ssm-0"].mean().item(), 4)
+    report["agreement_ssm-1"] = round(hits["ssm-1"].mean().item(), 4)
+    report["agreement_merged"] = round(torch.maximum(hits["ssm-0"], hits["ssm-1"]).mean().item(), 4)
+    report["samples"] = [{"prompt": prompts[k], "continuation": tokenizer.decode(greedy[k][0, -new_tokens:])}
+                         for k in range(3)]
+    return report
+
+
+# ------------------------------------------------------------------------------------------ main
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("models"))
+    ap.add_argument("--work", type=Path, default=Path(".train"), help="checkpoints and the tokenized corpus")
+    ap.add_argument("--report", type=Path, default=Path("bench/results/models_cpu.json"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--llm-steps", type=int, default=420)
-    ap.add_argument("--ssm-steps", type=int, default=600)
-    ap.add_argument("--distill-samples", type=int, default=1536)
-    ap.add_argument("--distill-epochs", type=int, default=6)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--llm-steps", type=int, default=1200)
+    ap.add_argument("--ssm-steps", type=int, default=300)
+    ap.add_argument("--distill-samples", type=int, default=3072)
+    ap.add_argument("--distill-epochs", type=int, default=4)
     ap.add_argument("--heldout-every", type=int, default=20)
+    ap.add_argument("--eval-bytes", type=int, default=400_000, help="held-out text per group to measure")
+    ap.add_argument("--evaluate-only", action="store_true", help="measure the models in --out, train nothing")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
 
     train_files, heldout_files = corpus_files(args.heldout_every)
-    print(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files")
-    tokenizer = train_tokenizer(train_files, args.vocab_size)
+    print(f"corpus: {len(train_files)} train files, {len(heldout_files)} held-out files "
+          f"({sum(p.stat().st_size for _, p in train_files) / 1e6:.1f} MB of train text)")
+    if not args.evaluate_only:
+        train(args, work, train_files, heldout_files)
+    report = evaluate(args.out, heldout_files, args.eval_bytes, 64, args.seed)
+    print(json.dumps(report, indent=2))
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def train(args, work: Path, train_files, heldout_files):
+    if (work / "tokenizer" / "tokenizer.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(work / "tokenizer")
+    else:
+        tokenizer = train_tokenizer([p for _, p in train_files], args.vocab_size)
+        tokenizer.save_pretrained(work / "tokenizer")
     eos = tokenizer.convert_tokens_to_ids(EOS)
-    ids = []
-    for f in tqdm(train_files, desc="tokenize"):
-        ids.extend(tokenizer(read(f))["input_ids"] + [eos])
-    data = torch.tensor(ids, dtype=torch.long)
+    if not (work / "train_tokens.pt").exists():
+        torch.save(tokenize(tokenizer, [p for _, p in train_files], eos), work / "train_tokens.pt")
+    data = torch.load(work / "train_tokens.pt")
     print(f"train tokens: {data.numel():,}")
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -217,38 +385,40 @@ def main():
     common = dict(
         vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, rope_theta=10000.0,
+        hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
     )
-    llm_cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
-                          num_attention_heads=8, num_key_value_heads=4, **common)
-    ssm_cfg = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, **common)
+    llm_cfg = LlamaConfig(num_hidden_layers=8, **common)
+    ssm_cfg = LlamaConfig(num_hidden_layers=1, **common)
+    seeded = lambda stage: torch.Generator().manual_seed(args.seed * 1000 + stage)  # noqa: E731
 
     llm = LlamaForCausalLM(llm_cfg)
-    train_lm(llm, data, args.llm_steps, 256, 16, 2e-3, gen, "LLM pretraining")
+    train_lm(llm, data, args.llm_steps, 256, 16, 2.5e-3, seeded(1), work / "llm.ckpt", "LLM pretraining")
     save(llm, tokenizer, args.out / "llm")
 
-    base = LlamaForCausalLM(ssm_cfg)
-    train_lm(base, data, args.ssm_steps, 256, 16, 3e-3, gen, "SSM base pretraining")
-    seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, 64, 64, 64, gen)
+    # the SSMs' base: the LLM's embedding, first layer and final norm, pretrained further on its own
+    base = truncated(llm, ssm_cfg)
+    train_lm(base, data, args.ssm_steps, 256, 16, 2e-3, seeded(2), work / "ssm-base.ckpt", "SSM base pretraining")
+    if (work / "distill.pt").exists():
+        seqs, top_ids, top_probs = torch.load(work / "distill.pt")
+    else:
+        seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, 64, 64, 32, seeded(3))
+        torch.save((seqs, top_ids, top_probs), work / "distill.pt")
     everywhere = torch.ones(seqs.shape, dtype=torch.float)
 
-    ssm0 = LlamaForCausalLM(ssm_cfg)
-    ssm0.load_state_dict(base.state_dict())
-    distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, gen, "SSM 0 distillation")
-    marked = agrees(ssm0, seqs, top_ids)  # SpecInfer's "marked" samples: SSM 0 already right
+    ssm0 = truncated(base, ssm_cfg)
+    distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
+            work / "ssm-0.ckpt", "SSM 0 distillation")
+    marked = agrees(ssm0, seqs, top_ids[..., 0])  # SpecInfer's "marked" samples: SSM 0 already right
 
-    ssm1 = LlamaForCausalLM(ssm_cfg)
-    ssm1.load_state_dict(base.state_dict())
-    distill(ssm1, seqs, top_ids, top_probs, 1 - marked, args.distill_epochs, 32, 2e-3, gen, "SSM 1 boost-tuning")
-    hit1 = agrees(ssm1, seqs, top_ids)
+    ssm1 = truncated(base, ssm_cfg)
+    distill(ssm1, seqs, top_ids, top_probs, 1 - marked, args.distill_epochs, 32, 2e-3, seeded(5),
+            work / "ssm-1.ckpt", "SSM 1 boost-tuning")
+    hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
           f"either {torch.maximum(marked, hit1).mean():.3f}")
     save(ssm0, tokenizer, args.out / "ssm-0")
     save(ssm1, tokenizer, args.out / "ssm-1")
-    for name in ("llm", "ssm-0", "ssm-1"):
-        n = sum(p.numel() for p in {"llm": llm, "ssm-0": ssm0, "ssm-1": ssm1}[name].parameters())
-        print(f"{name}: {n / 1e6:.2f}M parameters")
 
 
 if __name__ == "__main__":

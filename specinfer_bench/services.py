@@ -6,6 +6,9 @@ speed drifts; medians are reported and every run's figure kept). Each manager lo
 iteration split (verifier step, slowest speculator, the rest = its own overhead incl. RPC) on exit.
 
     python -m specinfer_bench.services --out bench/results/services_cpu
+    python -m specinfer_bench.services --llm /tmp/llm-1b --concurrency 1,4,8,16,32,64 --out bench/results/services_h100_llama-1b
+
+Every service picks its device itself (`--device auto`: the GPU when there is one).
 """
 
 from __future__ import annotations
@@ -92,17 +95,20 @@ def main() -> None:
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
                    help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
                         "@static: without the adaptive controller)")
+    p.add_argument("--llm", type=Path, default=models_dir() / "llm",
+                   help="LLM checkpoint directory (default: shipped; e.g. one made by specinfer_bench.inflate)")
+    p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM directories (default: shipped)")
     p.add_argument("--out", type=Path, default=Path("bench/results/services_cpu"))
     args = p.parse_args()
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(models_dir() / "llm" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(args.llm / "tokenizer.json"))
     prompts = [tok.encode(json.loads(l)["prompt"]).ids for l in open(models_dir() / "heldout_prompts.jsonl")]
     from .inprocess import reference_greedy
 
-    reference = reference_greedy(models_dir() / "llm", prompts[:8], 32)
+    reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
-    rows = measure(models_dir() / "llm", default_ssms(), prompts, reference, configs, levels,
+    rows = measure(args.llm, args.ssm or default_ssms(), prompts, reference, configs, levels,
                    args.requests_per_stream, args.max_new_tokens, args.rounds)
     meta = {"machine": machine(), "command": "python -m specinfer_bench.services " + " ".join(
         f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items())}

@@ -1,27 +1,69 @@
-"""The speculation controller keeps throughput at the better of speculating and not, per batch size."""
+"""The speculation controller picks the depth of the server's trees that its fitted cost model and the
+measured acceptance say yields the most tokens per second, per batch size (simulated costs)."""
 
-from manager_svc.controller import SpeculationController
+import random
+from collections import Counter
 
+from manager_svc.controller import SpeculationController, Step
+from specinfer.tree import tree_size
 
-def run(controller: SpeculationController, batch_size: int, rate: dict[bool, float], iterations: int) -> float:
-    """Feed the controller iterations whose output rate is rate[speculating]; the share of
-    iterations it speculated in."""
-    speculated = 0
-    for _ in range(iterations):
-        on = controller.speculate(batch_size)
-        speculated += on
-        controller.record(batch_size, on, tokens=int(rate[on] * 0.01), seconds=0.01)
-    return speculated / iterations
+EXPANSION = [2, 1, 1, 1]
 
 
-def test_it_speculates_where_that_is_faster_and_not_where_it_is_slower():
+def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0):
+    """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
+    seconds per level drafted, each draft token accepted (given its parent was) with probability
+    `accept`. Returns how often each depth was chosen over the second half."""
+    rng = random.Random(seed)
+    full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
+    chosen = Counter()
+    for i in range(iterations):
+        m = controller.depth(batch_size, full)
+        if i >= iterations // 2:
+            chosen[m] += 1
+        accepted = []
+        for _ in range(batch_size):
+            a = 0
+            while a < m and rng.random() < accept:
+                a += 1
+            accepted.append((a, m))
+        nodes = full[m - 1] if m else 0
+        rows = batch_size * (1 + nodes)
+        v, d = verify(batch_size, rows), draft_level * m
+        controller.record(Step(batch_size, m, rows, m, batch_size * nodes, v + d + overhead, v, d,
+                               accepted if m else [], [nodes] * batch_size if m else []))
+    return chosen
+
+
+def test_no_tree_when_a_level_costs_more_than_a_step():
     c = SpeculationController(explore=16)
-    assert run(c, 1, {True: 300.0, False: 100.0}, 320) >= 1 - 1 / 16 - 0.01  # small batch: trees pay
-    assert run(c, 16, {True: 200.0, False: 500.0}, 320) <= 1 / 16 + 0.01  # large batch: they cost
-    assert run(c, 2, {True: 300.0, False: 100.0}, 10) > 0.5  # buckets are independent
+    chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010, draft_level=0.012)
+    assert chosen[0] >= 0.9 * sum(chosen.values()), chosen
 
 
-def test_it_follows_a_change_of_the_better_choice_by_exploring():
-    c = SpeculationController(explore=8, smoothing=0.5)
-    assert run(c, 4, {True: 400.0, False: 100.0}, 200) > 0.8
-    assert run(c, 4, {True: 50.0, False: 100.0}, 200) < 0.2  # e.g. the SSMs stopped predicting well
+def test_the_largest_tree_when_trees_are_free():
+    c = SpeculationController(explore=16)
+    chosen = simulate(c, 4, 400, verify=lambda b, rows: 0.010, draft_level=0.0)
+    assert chosen[len(EXPANSION)] >= 0.9 * sum(chosen.values()), chosen
+
+
+def test_trees_shrink_to_none_as_the_batch_grows():
+    """Verifying costs per row (as on a CPU); drafting costs per level. The best depth falls with B:
+    each extra level is verified for every request but accepted less and less often."""
+    c = SpeculationController(explore=16)
+    depth_at = {}
+    for b in (1, 4, 16, 64):
+        chosen = simulate(c, b, 300, verify=lambda b, rows: 0.004 + 0.0002 * rows, draft_level=0.001, seed=b)
+        depth_at[b] = chosen.most_common(1)[0][0]
+    assert depth_at[1] >= 2, depth_at
+    assert all(depth_at[x] >= depth_at[y] for x, y in [(1, 4), (4, 16), (16, 64)]), depth_at
+    assert depth_at[64] == 0, depth_at
+
+
+def test_it_follows_the_acceptance_when_the_ssms_stop_predicting():
+    c = SpeculationController(explore=8)
+    verify = lambda b, rows: 0.010 + 0.0002 * rows  # noqa: E731
+    before = simulate(c, 2, 300, verify, draft_level=0.001, accept=0.9)
+    assert before.most_common(1)[0][0] >= 3, before
+    after = simulate(c, 2, 600, verify, draft_level=0.001, accept=0.0, seed=1)
+    assert after[0] >= 0.8 * sum(after.values()), after

@@ -23,10 +23,15 @@ from .conftest import MODELS, ROOT
 from .services import active_requests, reference_greedy
 
 
-@pytest.mark.parametrize("speculation", [None, "1,1,3,1,1,1,1,1"], ids=["server-default", "paper-tree-fixed"])
-def test_greedy_outputs_through_the_services_match_incremental_decoding(system, heldout_ids, speculation):
-    prompts = heldout_ids[:16]
-    streams = generate_all(system.manager.address, [Request(p, 48) for p in prompts], speculation)
+@pytest.mark.parametrize("speculation,concurrency", [(None, 1), (None, 32), ("1,1,3,1,1,1,1,1", 16)],
+                         ids=["server-default-alone", "server-default-32", "paper-tree-fixed-16"])
+def test_greedy_outputs_through_the_services_match_incremental_decoding(system, heldout_ids, speculation, concurrency):
+    """The server's default (the cost-model controller picks each iteration's trees) alone and 32
+    at once, and a fixed tree: the LLM's own greedy tokens either way."""
+    prompts = heldout_ids[:4] if concurrency == 1 else heldout_ids[:concurrency]
+    streams = [s for i in range(0, len(prompts), concurrency)
+               for s in generate_all(system.manager.address, [Request(p, 48) for p in prompts[i:i + concurrency]],
+                                     speculation)]
     want = reference_greedy(prompts, 48)
     for s, w in zip(streams, want):
         assert s.token_ids == w
