@@ -10,9 +10,11 @@ size B):
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
   depth d (the same widths at every depth: prefixes of one expansion config).
-- verify(B, rows) is the verifier's own step time, fitted to [1, B, rows] (rows: tokens verified,
-  tree nodes included); draft(m, nodes) the slowest speculator's own time, fitted to [1, m, nodes];
-  overhead the rest of the iteration (RPCs, the manager), fitted to [1, B, drafting].
+- verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
+  verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
+  take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
+  fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, the manager), fitted to
+  [1, B, trees].
 - Expected rows and nodes per request at depth m are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
@@ -107,7 +109,7 @@ class SpeculationController:
         """Predicted tokens per second of the batch with trees of depth m (full_tree: nodes of one
         speculator's tree of that depth)."""
         nodes = self.tree_nodes(m, full_tree)
-        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes)])
+        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
                    + (self.draft([1.0, m, batch_size * full_tree]) if m else 0.0)
                    + self.overhead([1.0, batch_size, float(m > 0)]))
         return batch_size * self.expected_tokens(m) / max(seconds, 1e-9)
@@ -130,7 +132,7 @@ class SpeculationController:
 
     def record(self, step: Step) -> None:
         self.seen[step.depth] = self.seen.get(step.depth, 0) + 1
-        self.verify.add([1.0, step.batch_size, step.rows], step.verify_s)
+        self.verify.add([1.0, step.batch_size, step.rows, float(step.draft_levels > 0)], step.verify_s)
         if step.draft_levels:
             self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
         self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],

@@ -1,8 +1,9 @@
 """Throughput through the real services: speculation settings side by side at several concurrencies.
 
 Starts the verifier and one speculator per SSM once, then one manager per (setting, concurrency),
-checks greedy outputs, and drives bounded streaming loads in interleaved rounds (this machine's
-speed drifts; medians are reported and every run's figure kept). Each manager logs its per-
+checks greedy outputs, and drives bounded streaming loads in interleaved rounds, every other
+round in reverse order (this machine's speed drifts, and a process that slows as it runs would
+favour whichever setting runs first; medians are reported and every run's figure kept). Each manager logs its per-
 iteration split (verifier step, slowest speculator, the rest = its own overhead incl. RPC) on exit.
 
     python -m specinfer_bench.services --out bench/results/services_cpu
@@ -66,8 +67,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
             if [s.token_ids for s in outs] != reference:
                 raise SystemExit(f"services {config}: greedy outputs differ from the reference; no figures reported")
         bar = tqdm(total=rounds * len(managers), unit="run", desc="services")
-        for _ in range(rounds):  # interleaved, so that the machine's drift hits all settings alike
-            for (config, c), manager in managers.items():
+        order = list(managers.items())
+        for r in range(rounds):  # interleaved, so that the machine's drift hits all settings alike,
+            for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
                 report = asyncio.run(run_load(manager.address, prompts, c, duration=1e9, max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream))
                 if report.errors:

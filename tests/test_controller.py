@@ -67,3 +67,12 @@ def test_it_follows_the_acceptance_when_the_ssms_stop_predicting():
     assert before.most_common(1)[0][0] >= 3, before
     after = simulate(c, 2, 600, verify, draft_level=0.001, accept=0.0, seed=1)
     assert after[0] >= 0.8 * sum(after.values()), after
+
+
+def test_no_tree_when_a_step_with_trees_costs_a_jump_that_acceptance_does_not_repay():
+    """A verifier step without trees can take a cheaper path than its row count says (a one-token
+    decode): the jump is not a per-row cost, and a line through the tree steps alone would hide it."""
+    c = SpeculationController(explore=16)
+    chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010 if rows == b else 0.040 + 0.0001 * rows,
+                      draft_level=0.001)
+    assert chosen[0] >= 0.9 * sum(chosen.values()), chosen

@@ -16,12 +16,13 @@ from .conftest import MODELS
 from .test_greedy import hf_greedy
 from .test_tree_decoding import per_item
 
-ATOL = 1e-5
+ATOL = 1e-5  # the inflated model against its source, both through transformers
+RUNNER_ATOL = 1e-4  # our runner against transformers, as in test_tree_decoding (float32 summation order)
 
 
 @pytest.mark.parametrize("source,flags", [
     ("tiny", ["--hidden", "96", "--heads-multiple", "2", "--intermediate", "200", "--layers", "4"]),  # untied
-    ("shipped", ["--hidden", "1024", "--intermediate", "2048", "--layers", "5"]),  # tied, heads x2 by default
+    ("shipped", ["--hidden", "512", "--intermediate", "1536", "--layers", "10"]),  # tied, heads x2 by default
 ])
 def test_an_inflated_model_predicts_exactly_what_its_source_predicts(tiny_pair, tmp_path, source, flags):
     src = tiny_pair[1] if source == "tiny" else MODELS / "llm"
@@ -39,7 +40,7 @@ def test_an_inflated_model_predicts_exactly_what_its_source_predicts(tiny_pair, 
     ours = LlamaModel.from_pretrained(out)
     for b in range(2):
         got = per_item(ours, [StepInput(ours.new_pool(256).new_cache(), ids[b].tolist(), [], [])])[0]
-        torch.testing.assert_close(got[0], want[b, -1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[0], want[b, -1], atol=RUNNER_ATOL, rtol=0)
     prompt = ids[0, :12].tolist()
     gen = Engine(ours, mode=Mode.INCREMENTAL).generate([Request(prompt, 24)])[0]
     assert gen.token_ids == hf_greedy(hf, prompt, 24, eos=cfg.eos_token_ids[0] if cfg.eos_token_ids else None)

@@ -22,6 +22,8 @@ from specinfer_rpc.v1 import common_pb2, generation_pb2
 from .conftest import MODELS, ROOT
 from .services import active_requests, reference_greedy
 
+VOCAB = json.loads((MODELS / "llm" / "config.json").read_text())["vocab_size"]
+
 
 @pytest.mark.parametrize("speculation,concurrency", [(None, 1), (None, 32), ("1,1,3,1,1,1,1,1", 16)],
                          ids=["server-default-alone", "server-default-32", "paper-tree-fixed-16"])
@@ -62,7 +64,7 @@ def test_draft_trees_on_request_show_each_steps_tree_and_its_accepted_path(syste
         t = m.draft_tree
         assert len(t.parents) == len(t.token_ids) == len(t.speculators)
         assert all(0 < bits < 4 for bits in t.speculators)
-        assert [t.parents[u] for u in t.accepted] == [-1, *t.accepted[:-1]]  # a path from the root
+        assert [t.parents[u] for u in t.accepted] == [-1, *t.accepted][:len(t.accepted)]  # a path from the root
         assert [t.token_ids[u] for u in t.accepted] == list(m.token_ids[:len(t.accepted)])
         if not m.finish_reason:  # the accepted path and the LLM's own token
             assert len(m.token_ids) == len(t.accepted) + 1
@@ -87,7 +89,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(system, held
 
 BAD_REQUESTS = {
     "prompt": dict(prompt_token_ids=[]),
-    "prompt ": dict(prompt_token_ids=[5, 4096]),
+    "prompt ": dict(prompt_token_ids=[5, VOCAB]),
     "max_new_tokens": dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=-1)),
     "max_new_tokens ": dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=5000)),
     "max_new_tokens  ": dict(prompt_token_ids=[7] * 1500, stopping=generation_pb2.StoppingCriteria(max_new_tokens=1000)),
@@ -183,7 +185,7 @@ def test_model_info_tokenize_and_health_and_reflection(system):
         text = (await stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=ids))).text
         return info, text
     info, text = asyncio.run(go())
-    assert info.vocab_size == 4096 and info.context_length == 2048 and list(info.eos_token_ids) == [0]
+    assert info.vocab_size == VOCAB and info.context_length == 2048 and list(info.eos_token_ids) == [0]
     assert info.speculators == 2 and list(info.expansion) == [2, 1, 1] and info.tree_budget == 32
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
