@@ -176,7 +176,7 @@ class Scheduler:
         steady = all(s.verifier_has for s in batch)
         full_trees = self._full_trees(len(batch))
         depth = len(full_trees) if self.controller is None else self.controller.depth(len(batch), full_trees)
-        trees, sources, plans = await self._draft(batch, depth)
+        trees, sources, plans = await self._draft(batch, depth, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
                 for c in self.speculators:
@@ -285,20 +285,21 @@ class Scheduler:
         # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
         return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
 
-    def _why_no_plan(self, seq: Sequence, batch_size: int) -> str:
-        """Why `_plan` gave the request no tree this step, in words for its usage report."""
+    def _why_no_plan(self, seq: Sequence, batch_size: int, fits: int) -> str:
+        """Why `_plan` gave the request no tree this step, in words for its usage report (`fits`:
+        how many levels of the server's expansion the tree budget allows at this batch size)."""
         if seq.expansion == []:
             return "speculation off for this request"
         if seq.request.max_new_tokens - len(seq.generated) <= 1:
             return "the last token needs no draft"
         if not self.expansion:
             return "the server's default expansion is empty"
-        if not self._full_trees(batch_size):
+        if not fits:
             return (f"the tree budget ({self.tree_budget} nodes) over {batch_size} requests is smaller than the "
                     f"expansion's first level ({self.expansion[0]})")
         return f"the manager's cost model predicts plain decoding faster at batch size {batch_size}"
 
-    async def _draft(self, batch: list[Sequence], depth: int
+    async def _draft(self, batch: list[Sequence], depth: int, fits: int
                      ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
         requests that asked for their trees the trees it merged by speculator number, and the
@@ -308,7 +309,7 @@ class Scheduler:
             if plan := self._plan(s, depth):
                 drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
             else:
-                s.no_tree[self._why_no_plan(s, len(batch))] += 1
+                s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not self.speculators:
             for c in self.speculators:
                 c.draft_ns = 0
