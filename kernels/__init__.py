@@ -1,9 +1,11 @@
-"""Tree attention over a paged KV cache: the Triton kernel and its PyTorch reference (same contract).
+"""Tree attention over a paged KV cache and the fused elementwise kernels of a decoder layer: each
+Triton kernel behind one function with its PyTorch reference (same contract).
 
 `tree_attention` runs the kernel on CUDA tensors and the reference elsewhere. The environment
 variable SPECINFER_TREE_ATTENTION=triton|reference overrides the choice (tests run the kernel on
-CPU tensors under TRITON_INTERPRET=1 that way). The Triton module is imported only when the kernel
-is launched, so CPU-only use never compiles anything.
+CPU tensors under TRITON_INTERPRET=1 that way). `add_rms_norm`, `rotary_qkv` and `silu_mul`
+(references in fused.py, kernels in fused_triton.py) choose the same way, overridden by SPECINFER_FUSED. Triton is imported only when a
+kernel is launched, so CPU-only use never compiles anything.
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ import os
 
 import torch
 
-from .batch import RequestView, TreeBatch
+from .batch import Capacity, RequestView, TreeBatch, to_device
+from .fused import add_rms_norm_reference, rotary_qkv_reference, silu_mul_reference
 from .reference import tree_attention_reference
 
-__all__ = ["RequestView", "TreeBatch", "tree_attention", "tree_attention_reference", "backend"]
+__all__ = ["Capacity", "RequestView", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "rotary_qkv",
+           "rotary_qkv_reference", "silu_mul", "silu_mul_reference", "to_device", "tree_attention",
+           "tree_attention_reference"]
 
 BACKENDS = ("auto", "triton", "reference")
 
 
-def backend(device: torch.device) -> str:
-    """'triton' or 'reference': what `tree_attention` runs for tensors on `device`."""
-    choice = os.environ.get("SPECINFER_TREE_ATTENTION", "auto")
+def backend(device: torch.device, variable: str = "SPECINFER_TREE_ATTENTION") -> str:
+    """'triton' or 'reference': what the functions that `variable` governs (SPECINFER_TREE_ATTENTION:
+    `tree_attention`; SPECINFER_FUSED: the fused elementwise kernels) run for tensors on `device`."""
+    choice = os.environ.get(variable, "auto")
     if choice not in BACKENDS:
-        raise ValueError(f"SPECINFER_TREE_ATTENTION: {choice!r} is not one of {BACKENDS}")
+        raise ValueError(f"{variable}: {choice!r} is not one of {BACKENDS}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
     return choice
@@ -38,3 +44,31 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         from .tree_attention_triton import tree_attention_triton
         return tree_attention_triton(q, k_cache, v_cache, batch, scale)
     return tree_attention_reference(q, k_cache, v_cache, batch, scale)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [N, H] (residual may be None); weight [H]. Returns (normed, summed) in x's dtype:
+    summed = x + residual (x itself without a residual), normed = RMSNorm(summed) * weight."""
+    if backend(x.device, "SPECINFER_FUSED") == "triton":
+        from .fused_triton import add_rms_norm_triton
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+               n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [N, (Hq + 2 Hkv) D] (the fused QKV projection); cos, sin [N, 1, D]. Returns q [N, Hq, D]
+    and k [N, Hkv, D] rotated, v [N, Hkv, D]."""
+    if backend(qkv.device, "SPECINFER_FUSED") == "triton":
+        from .fused_triton import rotary_qkv_triton
+        return rotary_qkv_triton(qkv, cos, sin, n_heads, n_kv_heads)
+    return rotary_qkv_reference(qkv, cos, sin, n_heads, n_kv_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [N, 2 I] (gate, then up). Returns silu(gate) * up [N, I]."""
+    if backend(gate_up.device, "SPECINFER_FUSED") == "triton":
+        from .fused_triton import silu_mul_triton
+        return silu_mul_triton(gate_up)
+    return silu_mul_reference(gate_up)

@@ -2,7 +2,8 @@
 
 Each request b owns the KV slots 0 .. seq_len[b]-1, stored in fixed-size blocks of a shared pool:
 slot s lives in block `block_tables[b, s // block_size]` at offset `s % block_size`. Its slots
-from `tree_start[b]` on hold draft-tree nodes; the slots before are committed tokens.
+from `tree_start[b]` on hold draft-tree nodes; the slots before are committed tokens (the prefix
+every node of its tree shares).
 
 The batch's queries are flattened (no padding): request b's queries are rows
 `q_starts[b] .. q_starts[b+1]-1`, first its new committed tokens, then its new tree nodes. Query i
@@ -14,8 +15,11 @@ may see key slot j of its request when
 `tree_bits` packs each query's row of the tree's ancestor-or-self matrix into int32 words, so a
 tree of any size costs ceil(n / 32) words per query, not a dense [queries, keys] mask.
 
-The batch is laid out with plain Python lists and each tensor is copied to the device once, so
-building it dispatches the same few ops whatever the number of requests.
+The batch is laid out with plain Python lists on the host and all its tensors reach the device
+in one copy (`to_device`), so building it dispatches the same few ops whatever the number of
+requests. With a `Capacity` the tensors have fixed shapes instead (what a captured CUDA graph
+reads): unused request slots are empty, and the last slot owns the padding queries, which see no
+key and write their own K/V into a block no request holds.
 """
 
 from __future__ import annotations
@@ -41,6 +45,43 @@ class RequestView:
         return self.n_committed + len(self.tree_rows)
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """Fixed shapes of a padded batch: `queries` rows, `requests` request slots (the last holds the
+    padding), block tables `blocks` wide, `words` tree-bit words per query. Padding queries write
+    their K/V into `trash_block`, a pool block that belongs to no request."""
+
+    queries: int
+    requests: int
+    blocks: int
+    words: int
+    trash_block: int
+
+
+Fields = dict[str, tuple[list[int], tuple[int, ...]]]  # name -> (flat int values, shape)
+
+
+def to_device(fields: Fields, device: torch.device | str, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Every field as an int32 tensor on `device`, all of them views of one buffer filled by one
+    host-to-device copy: a new buffer, or `out` (a persistent one: the same fields with the same
+    shapes then land at the same addresses every time)."""
+    flat = [v for values, _ in fields.values() for v in values]
+    host = torch.tensor(flat, dtype=torch.int32)
+    if out is None:
+        buf = host.to(device, non_blocking=True)
+    else:
+        if out.numel() < len(flat):
+            raise ValueError(f"static buffer: {len(flat)} values do not fit {out.numel()}")
+        buf = out[: len(flat)]
+        buf.copy_(host, non_blocking=True)
+    views, at = {}, 0
+    for name, (values, shape) in fields.items():
+        assert len(values) == math.prod(shape), (name, len(values), shape)
+        views[name] = buf[at: at + len(values)].view(shape)
+        at += len(values)
+    return views
+
+
 def _words(row: int, words: int) -> list[int]:
     """An ancestor row as `words` int32 words; bit t of word w is tree slot 32 * w + t."""
     out = []
@@ -60,18 +101,30 @@ class TreeBatch:
     q_starts: torch.Tensor  # [B + 1] int32
     causal: torch.Tensor  # [N] int32
     tree_bits: torch.Tensor  # [N, W] int32, W >= 1
-    write_blocks: torch.Tensor  # [N] int64: the block each query's own K/V is written to
-    write_offsets: torch.Tensor  # [N] int64: and the offset in it
-    query_requests: torch.Tensor  # [N] int64: the request of each query
-    # the same facts on the host, so launching never waits for the device
+    write_blocks: torch.Tensor  # [N] int32: the block each query's own K/V is written to
+    write_offsets: torch.Tensor  # [N] int32: and the offset in it
+    query_requests: torch.Tensor  # [N] int32: the request of each query
+    # sizes the host knows, so launching never waits for the device: with a Capacity they are
+    # the capacity's bounds, the same for every batch of that capacity
+    max_queries: int  # queries of one request, at most
+    max_seq_len: int  # keys of one request, at most
+    has_tree: bool  # whether any query may see a tree slot
+    # the batch's facts on the host, for the reference (which runs where there is no graph)
     host_q_starts: list[int] = field(repr=False)
     host_seq_lens: list[int] = field(repr=False)
 
-    @classmethod
-    def build(cls, requests: list[RequestView], block_size: int, device: torch.device | str = "cpu") -> "TreeBatch":
-        """Lay the batch out on the host (plain lists) and copy each tensor to the device once."""
-        q_starts, seq_lens, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], []
+    @staticmethod
+    def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None) -> tuple[Fields, dict]:
+        """The batch's tensors as host lists (see `to_device`) and its host-side facts."""
+        q_starts, seq_lens, starts, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], [], []
         words = max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1))
+        width = max(1, max((len(r.blocks) for r in requests), default=0))
+        if capacity is not None:
+            n = sum(r.n_queries for r in requests)
+            if n > capacity.queries or len(requests) >= capacity.requests or width > capacity.blocks or words > capacity.words:
+                raise ValueError(f"tree batch: {n} queries of {len(requests)} requests, {width} blocks and {words} "
+                                 f"tree words exceed the capacity {capacity}")
+            words, width = capacity.words, capacity.blocks
         for b, r in enumerate(requests):
             end = r.first + r.n_queries
             if math.ceil(end / block_size) > len(r.blocks):
@@ -80,32 +133,60 @@ class TreeBatch:
                 raise ValueError("tree batch: new committed tokens must lie before the tree")
             q_starts.append(q_starts[-1] + r.n_queries)
             seq_lens.append(end)
+            starts.append(r.tree_start)
             causal += [s + 1 for s in range(r.first, r.first + r.n_committed)] + [r.tree_start] * len(r.tree_rows)
             slots = range(r.first, end)
             slots_b += [r.blocks[s // block_size] for s in slots]
             slots_o += [s % block_size for s in slots]
-            bits += [[0] * words] * r.n_committed + [_words(row, words) for row in r.tree_rows]
+            bits += [0] * (words * r.n_committed) + [w for row in r.tree_rows for w in _words(row, words)]
             owner += [b] * r.n_queries
-        width = max(1, max((len(r.blocks) for r in requests), default=0))
-        tables = [r.blocks + [0] * (width - len(r.blocks)) for r in requests] or [[0]]
+        tables = [x for r in requests for x in r.blocks + [0] * (width - len(r.blocks))]
+        has_tree = any(r.first + r.n_queries > r.tree_start for r in requests)
+        max_queries = max((b - a for a, b in zip(q_starts, q_starts[1:])), default=0)
+        max_seq_len = max(seq_lens, default=0)
+        if capacity is not None:  # empty slots, then the padding request: no keys, writes to the trash block
+            n, pad = q_starts[-1], capacity.queries - q_starts[-1]
+            empty = capacity.requests - 1 - len(requests)
+            q_starts += [n] * empty + [capacity.queries]
+            seq_lens += [0] * (empty + 1)
+            starts += [0] * (empty + 1)
+            causal += [0] * pad
+            slots_b += [capacity.trash_block] * pad
+            slots_o += [i % block_size for i in range(pad)]
+            bits += [0] * (words * pad)
+            owner += [capacity.requests - 1] * pad
+            tables += [0] * (width * (empty + 1))
+            has_tree, max_queries, max_seq_len = True, capacity.queries, capacity.blocks * block_size
+        n_req, n_q = len(seq_lens), len(causal)
+        if not n_req:  # an empty batch still has a block table row
+            tables = [0] * width
+        fields = {
+            "block_tables": (tables, (max(n_req, 1), width)), "seq_lens": (seq_lens, (n_req,)),
+            "tree_starts": (starts, (n_req,)), "q_starts": (q_starts, (n_req + 1,)), "causal": (causal, (n_q,)),
+            "tree_bits": (bits, (n_q, words)), "write_blocks": (slots_b, (n_q,)), "write_offsets": (slots_o, (n_q,)),
+            "query_requests": (owner, (n_q,)),
+        }
+        host = dict(max_queries=max_queries, max_seq_len=max_seq_len, has_tree=has_tree,
+                    host_q_starts=q_starts, host_seq_lens=seq_lens)
+        return fields, host
 
-        def to(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-        return cls(block_size, to(tables), to(seq_lens), to([r.tree_start for r in requests]), to(q_starts),
-                   to(causal), to(bits).view(len(causal), words), to(slots_b, torch.int64), to(slots_o, torch.int64),
-                   to(owner, torch.int64), q_starts, seq_lens)
+    @classmethod
+    def build(cls, requests: list[RequestView], block_size: int, device: torch.device | str = "cpu",
+              capacity: Capacity | None = None) -> "TreeBatch":
+        """Lay the batch out on the host and copy it to the device in one copy."""
+        fields, host = cls.fields(requests, block_size, capacity)
+        return cls.from_device(to_device(fields, device), block_size, host)
+
+    @classmethod
+    def from_device(cls, tensors: dict[str, torch.Tensor], block_size: int, host: dict) -> "TreeBatch":
+        """The batch from its fields on the device (picked out of `tensors` by name) and its host facts."""
+        names = ("block_tables", "seq_lens", "tree_starts", "q_starts", "causal", "tree_bits", "write_blocks",
+                 "write_offsets", "query_requests")
+        return cls(block_size, *(tensors[n] for n in names), **host)
 
     @property
     def n_requests(self) -> int:
         return len(self.host_seq_lens)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.host_seq_lens, default=0)
-
-    @property
-    def max_queries(self) -> int:
-        return max((b - a for a, b in zip(self.host_q_starts, self.host_q_starts[1:])), default=0)
 
     def visible(self, n_keys: int) -> torch.Tensor:
         """[N, n_keys] bool: whether query i sees key slot j of its request, by the rules above."""
@@ -113,7 +194,7 @@ class TreeBatch:
         req = self.query_requests[:, None]
         t = keys - self.tree_starts[req]  # tree slot of key j
         in_tree = (t >= 0) & (keys < self.seq_lens[req])
-        word = self.tree_bits.gather(1, (t.clamp(min=0) >> 5).clamp(max=self.tree_bits.shape[1] - 1))
+        word = self.tree_bits.gather(1, (t.clamp(min=0) >> 5).clamp(max=self.tree_bits.shape[1] - 1).long())
         bit = ((word >> (t.clamp(min=0) & 31)) & 1).bool()
         return (keys < self.causal[:, None]) | (in_tree & bit)
 

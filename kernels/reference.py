@@ -3,8 +3,8 @@ kernel is tested against, and what the model runs where there is no GPU.
 
 The whole batch at once: gather every request's keys and values through its block table into a
 padded [B, max_seq_len] layout, scatter the flat queries into [B, max_queries], build the mask
-from the batch's causal limits and tree bits (padding keys hidden; padding query rows see key 0
-so that nothing is NaN), and make one call to PyTorch's scaled_dot_product_attention (GQA by
+from the batch's causal limits and tree bits (padding keys hidden; padding query rows, and the
+padding queries of a batch with a Capacity, see key 0 so that nothing is NaN), and make one call to PyTorch's scaled_dot_product_attention (GQA by
 `enable_gqa`, no K/V copies per head). The ops dispatched do not depend on the batch size.
 """
 
@@ -27,17 +27,23 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
     if n_q == 0:
         return torch.empty_like(q)
-    B, L, M = batch.n_requests, batch.max_seq_len, batch.max_queries
+    # this batch's own sizes, not a capacity's bounds: the reference never runs inside a graph
+    qs = batch.host_q_starts
+    B, L, M = batch.n_requests, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
+    L = max(L, 1)
     tables = batch.block_tables[:, : math.ceil(L / bs)].long()
     k = k_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)
-    row = torch.arange(n_q, device=q.device) - batch.q_starts.long()[batch.query_requests]  # index within its request
-    where = (batch.query_requests, row)
+    owner = batch.query_requests.long()
+    row = torch.arange(n_q, device=q.device) - batch.q_starts.long()[owner]  # index within its request
+    where = (owner, row)
     qp = q.new_zeros(B, M, hq, d)
     qp[where] = q
     mask = torch.zeros(B, M, L, dtype=torch.bool, device=q.device)
     mask[..., 0] = True
-    mask[where] = batch.visible(L)
+    seen = batch.visible(L)
+    seen[:, 0] |= ~seen.any(-1)
+    mask[where] = seen
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
                                        enable_gqa=True)  # [B, Hq, M, D]
     return o.transpose(1, 2)[where]

@@ -1,15 +1,25 @@
-"""Tree attention over a paged KV cache as one Triton kernel (FlashAttention-style online softmax).
+"""Tree attention over a paged KV cache as two Triton kernels: the shared prefix, then the tree.
 
-One program handles BLOCK_M rows of one request's (query, query head) pairs that share a KV head,
-over one split of that request's key slots. Pairing the G query heads of a KV head in one tile
-makes grouped-query attention read each K/V block once for all G heads. Keys are gathered through
-the block table BLOCK_N at a time, so the tile width does not depend on the pool's block size.
-The mask is never materialized: a key is visible when it lies below the query's causal limit or
-its bit is set in the query's packed ancestor row (see batch.py).
+Every query of a request sees the same committed prefix, slots [0, tree_start): a tree node all of
+it, a new committed token causally. Only the tree's own slots need the ancestor bits. So the
+attention is cut in two, as cascade (shared-prefix) attention does, and the parts are merged by
+their log-sum-exp:
 
-Long prefixes with few queries (decoding) would leave most of a GPU idle, so the key range is
-split (flash-decoding): each split writes its partial output and log-sum-exp, and a short
-combine step weighs the splits. With one split the kernel writes the output directly.
+1. `_prefix_kernel`, grid (tiles, KV heads, key splits): a tile is BLOCK_M (query, query head)
+   rows of one request sharing a KV head, all of its tree nodes and the G query heads of a KV
+   head side by side in the M dimension, so each prefix K/V block is read once per tile for all
+   of them, with only a causal compare for a mask. Long prefixes with few rows (decoding) are
+   split across programs (flash-decoding); each split leaves its partial output and log-sum-exp.
+2. `_tree_kernel`, grid (tiles, KV heads): the same tiles over the tree slots [tree_start,
+   seq_len) with the ancestor bits, then the merge: the tile's own partial state and every prefix
+   split's are folded into the output (`_merge`). When a batch has no tree and one split, the
+   prefix kernel writes the output itself and this launch is skipped.
+
+Nothing on the host depends on the batch's values: the tile table is computed on the device from
+`q_starts` (once per batch, shared by all layers), grids and block sizes come from sizes the
+caller knows (`TreeBatch.max_queries`, `max_seq_len`, tensor shapes; a batch built with a
+`Capacity` has the same ones every time), and the only allocations are the output and the
+partials' workspace. So a call can be captured in a CUDA graph and replayed over new contents.
 
 Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bfloat16 tiles wrongly in `tl.dot`, so
 there, and only there, bfloat16 tiles are widened to float32 right after loading.
@@ -31,49 +41,40 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tree_attention_kernel(
-    Q, K, V, O, LSE,
-    tile_request, tile_row,
-    block_tables, seq_lens, tree_starts, q_starts, causal, tree_bits,
-    scale_log2, split_len, n_words,
-    stride_qn, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt,
-    stride_os, stride_on, stride_oh,
-    stride_ls, stride_ln,
-    stride_bt,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    b = tl.load(tile_request + tile)
-    q_lo = tl.load(q_starts + b)
-    q_hi = tl.load(q_starts + b + 1)
-    seq_len = tl.load(seq_lens + b)
-    tree_start = tl.load(tree_starts + b)
-
-    rows = tl.load(tile_row + tile) + tl.arange(0, BLOCK_M)  # (query, head-in-group) pairs
-    qi = q_lo + rows // GROUP
+def _tile_queries(Q, q_starts, tile_row, tile, b, kv_head, stride_qn, stride_qh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """A tile's BLOCK_M (query, head-in-group) rows of request b: their query index, head, which
+    rows exist, the [BLOCK_M, BLOCK_D] load mask, and the queries themselves."""
+    rows = tl.load(tile_row + tile) + tl.arange(0, BLOCK_M)
+    qi = tl.load(q_starts + b) + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_ok = qi < q_hi
+    row_ok = qi < tl.load(q_starts + b + 1)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    q = tl.load(Q + qi[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    io_mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(Q + qi[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    limit = tl.load(causal + qi, mask=row_ok, other=0)
+    return qi, head, row_ok, io_mask, q
 
+
+@triton.jit
+def _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, tree_start,
+            K, V, block_tables, tree_bits, n_words, scale_log2,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
+            TREE: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of a tile's rows over key slots lo .. hi-1 of request b. A key is visible
+    below the row's causal limit (prefix) or where the row's ancestor bit is set (TREE).
+    Returns the unnormalized state (acc [BLOCK_M, BLOCK_D], running max m, sum l), log2 domain."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    for j0 in range(start, end, BLOCK_N):
+    for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < end
+        j_ok = j < hi
         block = tl.load(block_tables + b * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
         slot = j % BLOCK_SIZE
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -86,12 +87,13 @@ def _tree_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale_log2
-        t = j - tree_start
-        in_tree = (t >= 0) & j_ok
-        word = tl.load(tree_bits + qi[:, None] * n_words + (t[None, :] >> 5),
-                       mask=row_ok[:, None] & in_tree[None, :], other=0)
-        bit = (word >> (t[None, :] & 31)) & 1
-        visible = ((j[None, :] < limit[:, None]) | (bit != 0)) & j_ok[None, :] & row_ok[:, None]
+        if TREE:
+            t = j - tree_start
+            word = tl.load(tree_bits + qi[:, None] * n_words + (t[None, :] >> 5),
+                           mask=row_ok[:, None] & j_ok[None, :], other=0)
+            visible = (((word >> (t[None, :] & 31)) & 1) != 0) & j_ok[None, :]
+        else:
+            visible = (j[None, :] < limit[:, None]) & j_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -108,28 +110,122 @@ def _tree_attention_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-
-    empty = l_i == 0.0  # this split saw no visible key for the row
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
-    tl.store(O + split * stride_os + qi[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
-             o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(LSE + split * stride_ls + qi * stride_ln + head, lse, mask=row_ok)
+    return acc, m_i, l_i
 
 
-def _tiles(batch: TreeBatch, group: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request, first row) of every tile of BLOCK_M (query, head-in-group) rows; cached per batch."""
-    key = ("tiles", group, block_m, str(device))
+@triton.jit
+def _merge(acc, m, l, o_s, lse_s):
+    """Fold a normalized partial (output o_s, log2-sum-exp lse_s) into the state (acc, m, l): the
+    partial counts as weight 2^lse_s at value o_s. Parts that saw no key (lse -inf) weigh nothing."""
+    m_new = tl.maximum(m, lse_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    beta = tl.exp2(lse_s - m_safe)
+    return acc * alpha[:, None] + o_s * beta[:, None], m_new, l * alpha + beta
+
+
+@triton.jit
+def _prefix_kernel(
+    Q, K, V, O, LSE,
+    tile_request, tile_row,
+    block_tables, tree_starts, q_starts, causal,
+    scale_log2, split_len,
+    stride_qn, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_os, stride_on, stride_oh,
+    stride_ls, stride_ln,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(tile_request + tile)
+    if b >= 0:
+        qi, head, row_ok, io_mask, q = _tile_queries(Q, q_starts, tile_row, tile, b, kv_head, stride_qn, stride_qh,
+                                                     GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST)
+        d = tl.arange(0, BLOCK_D)
+        limit = tl.load(causal + qi, mask=row_ok, other=0)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, tl.load(tree_starts + b))
+        acc, m_i, l_i = _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, 0,
+                                K, V, block_tables, block_tables, 1, scale_log2,
+                                stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
+                                False, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IEEE, UPCAST)
+        empty = l_i == 0.0  # this split saw no visible key for the row
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        tl.store(O + split * stride_os + qi[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 o.to(O.dtype.element_ty), mask=io_mask)
+        if not DIRECT:
+            lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+            tl.store(LSE + split * stride_ls + qi * stride_ln + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _tree_kernel(
+    Q, K, V, O, PO, PLSE,
+    tile_request, tile_row,
+    block_tables, seq_lens, tree_starts, q_starts, tree_bits,
+    scale_log2, n_words, n_splits,
+    stride_qn, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_on, stride_oh,
+    stride_ps, stride_pn, stride_ph,
+    stride_ls, stride_ln,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.load(tile_request + tile)
+    if b >= 0:
+        qi, head, row_ok, io_mask, q = _tile_queries(Q, q_starts, tile_row, tile, b, kv_head, stride_qn, stride_qh,
+                                                     GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST)
+        d = tl.arange(0, BLOCK_D)
+        tree_start = tl.load(tree_starts + b)
+        acc, m_i, l_i = _attend(q, qi, row_ok, b, kv_head, tree_start, tl.load(seq_lens + b), qi, tree_start,
+                                K, V, block_tables, tree_bits, n_words, scale_log2,
+                                stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
+                                True, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IEEE, UPCAST)
+        for s in range(0, n_splits):
+            o_s = tl.load(PO + s * stride_ps + qi[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
+                          mask=io_mask, other=0.0)
+            lse_s = tl.load(PLSE + s * stride_ls + qi * stride_ln + head, mask=row_ok, other=float("-inf"))
+            acc, m_i, l_i = _merge(acc, m_i, l_i, o_s, lse_s)
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a padding query sees nothing: zeros
+        tl.store(O + qi[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
+                 o.to(O.dtype.element_ty), mask=io_mask)
+
+
+def _block_m(rows: int) -> int:
+    """Rows of a tile: enough for one request's (query, head) rows where they fit, up to 64.
+    Untuned: Hopper's choice (and BLOCK_N, warps, stages) is to be measured."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, first row) of every tile of BLOCK_M (query, head-in-group) rows, computed on the
+    device from q_starts, padded with request -1 up to a bound that depends only on shapes;
+    cached on the batch, so all layers of a forward share it."""
+    key = ("tiles", group, block_m)
     cache = batch.__dict__.setdefault("_launch", {})
     if key not in cache:
-        requests, first_rows = [], []
-        for b in range(batch.n_requests):
-            rows = (batch.host_q_starts[b + 1] - batch.host_q_starts[b]) * group
-            for r in range(0, rows, block_m):
-                requests.append(b)
-                first_rows.append(r)
-        cache[key] = (torch.tensor(requests, dtype=torch.int32).to(device),
-                      torch.tensor(first_rows, dtype=torch.int32).to(device))
+        q_starts = batch.q_starts
+        n_req = q_starts.shape[0] - 1
+        rows = (q_starts[1:] - q_starts[:-1]) * group
+        count = (rows + block_m - 1) // block_m
+        end = torch.cumsum(count, 0, dtype=torch.int32)
+        bound = math.ceil(batch.causal.shape[0] * group / block_m) + n_req
+        t = torch.arange(bound, dtype=torch.int32, device=q_starts.device)
+        request = torch.searchsorted(end, t, right=True, out_int32=True)
+        inside = request.clamp(max=max(n_req - 1, 0))
+        first = (t - (end - count)[inside]) * block_m
+        cache[key] = (torch.where(request < n_req, request, -1), first)
     return cache[key]
 
 
@@ -150,41 +246,43 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Same contract as `tree_attention_reference`: q [N, Hq, D]; k_cache, v_cache
     [n_blocks, block_size, Hkv, D]. Returns [N, Hq, D] in q's dtype. `num_splits` overrides the
-    split of the key range (tests use it to cover the combine step)."""
+    split of the prefix's key range (tests use it to cover the merge)."""
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    out = torch.empty_like(q)
+    if n_q == 0:
+        return out
     group = hq // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
-    max_rows = max((batch.host_q_starts[b + 1] - batch.host_q_starts[b] for b in range(batch.n_requests)), default=0)
-    block_m = 16 if max_rows * group <= 16 else 64
-    block_n = 64
-    tile_request, tile_row = _tiles(batch, group, block_m, q.device)
+    block_m, block_n = _block_m(batch.max_queries * group), 64
+    tile_request, tile_row = _tiles(batch, group, block_m)
     splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, block_n, q.device)
     split_len = math.ceil(math.ceil(max(batch.max_seq_len, 1) / splits) / block_n) * block_n
-    out = torch.empty_like(q)
-    o = out[None] if splits == 1 else torch.empty(splits, n_q, hq, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(splits, n_q, hq, dtype=torch.float32, device=q.device)
-    if len(tile_request) == 0:
-        return out
-    grid = (len(tile_request), hkv, splits)
-    _tree_attention_kernel[grid](
-        q, k_cache, v_cache, o, lse,
-        tile_request, tile_row,
-        batch.block_tables, batch.seq_lens, batch.tree_starts, batch.q_starts, batch.causal, batch.tree_bits,
-        scale * LOG2E, split_len, batch.tree_bits.shape[1],
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(2), v_cache.stride(1),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        batch.block_tables.stride(0),
-        GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+    direct = splits == 1 and not batch.has_tree
+    o = out[None] if direct else torch.empty(splits, n_q, hq, d, dtype=torch.float32, device=q.device)
+    lse = o if direct else torch.empty(splits, n_q, hq, dtype=torch.float32, device=q.device)
+    common = dict(GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                  BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                  UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    kv_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+                  v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
+    _prefix_kernel[(len(tile_request), hkv, splits)](
+        q, k_cache, v_cache, o, lse, tile_request, tile_row,
+        batch.block_tables, batch.tree_starts, batch.q_starts, batch.causal,
+        scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), *kv_strides,
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        batch.block_tables.stride(0), DIRECT=direct, **common,
     )
-    if splits > 1:
-        weights = torch.exp2(lse - lse.amax(0, keepdim=True))  # [S, N, Hq]; every row sees itself somewhere
-        out.copy_((weights[..., None] * o).sum(0) / weights.sum(0)[..., None])
+    if not direct:
+        _tree_kernel[(len(tile_request), hkv)](
+            q, k_cache, v_cache, out, o, lse, tile_request, tile_row,
+            batch.block_tables, batch.seq_lens, batch.tree_starts, batch.q_starts, batch.tree_bits,
+            scale * LOG2E, batch.tree_bits.shape[1], splits,
+            q.stride(0), q.stride(1), *kv_strides,
+            out.stride(0), out.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            batch.block_tables.stride(0), **common,
+        )
     return out

@@ -12,7 +12,7 @@ per layer, the new tokens' keys and values are written into the paged KV pool an
 tree-attention call (the Triton kernel on CUDA, its PyTorch reference elsewhere) covers the whole
 batch. Only the rows asked for reach the LM head, and their logits stay on the model's device.
 The batch's layout (token ids, positions, KV slots, masks) is built with plain lists on the host
-and copied to the device once per tensor, so the ops a forward dispatches do not grow with the
+and copied to the device in one copy, so the ops a forward dispatches do not grow with the
 number of requests. The model knows nothing about trees beyond the mask and positions its caches
 hand it, and nothing about sampling.
 """
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from specinfer_kernels import RequestView, TreeBatch, tree_attention
+from specinfer_kernels import (Capacity, RequestView, TreeBatch, add_rms_norm, rotary_qkv, silu_mul, to_device,
+                               tree_attention)
+from specinfer_kernels.batch import Fields
 
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
 
@@ -145,13 +146,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D]; cos, sin [N, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Dense(nn.Module):
     """y = x W (+ b) with W stored [in, out]: MKL runs x @ W several times faster than
     F.linear's x @ W^T for the 8-64 row matrices a token tree makes on CPU."""
@@ -172,14 +166,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) * weight, x + residual), the add fused into the norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Block(nn.Module):
-    """One decoder layer with fused QKV and gate/up projections."""
+    """One decoder layer with fused QKV and gate/up projections. The residual stream is carried
+    beside the layer's output and added inside the next norm, so a layer is four GEMMs, one
+    attention call and four fused elementwise kernels (add + norm twice, rotary + split, SiLU * up)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -192,30 +187,54 @@ class Block(nn.Module):
         self.gate_up = Dense(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = Dense(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, layer: int, pool: KVPool, batch: TreeBatch) -> torch.Tensor:
+    def forward(self, x, residual, cos, sin, layer: int, pool: KVPool,
+                batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden]: the previous layer's output, not yet added to `residual` (None before
+        the first layer). Returns this layer's output and the residual stream, likewise."""
         cfg = self.cfg
-        n = x.shape[0]
-        qkv = self.qkv(self.input_norm(x)).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk = rotate(qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q and k heads rotated at once
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # [N, Hq, D], [N, Hkv, D]
-        v = qkv[:, cfg.num_heads + cfg.num_kv_heads :]  # [N, Hkv, D]
+        h, residual = self.input_norm(x, residual)
+        q, k, v = rotary_qkv(self.qkv(h), cos, sin, cfg.num_heads, cfg.num_kv_heads)  # [N, Hq | Hkv | Hkv, D]
         batch.write(pool.k[layer], pool.v[layer], k, v)
         out = tree_attention(q, pool.k[layer], pool.v[layer], batch)
-        x = x + self.o(out.view(n, -1))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        h, residual = self.post_norm(self.o(out.view(x.shape[0], -1)), residual)
+        return self.down(silu_mul(self.gate_up(h))), residual
+
+
+@dataclass
+class Layout:
+    """One forward pass's inputs on the host, laid out once: the caches are extended already."""
+
+    pool: KVPool
+    tokens: list[int]  # [N] the new committed tokens and tree nodes, item by item
+    positions: list[int]  # [N]
+    views: list[RequestView]  # what attention needs to know per item
+    wanted: list[int]  # [R] the rows that reach the LM head, item by item
+
+    def fields(self, capacity: Capacity | None = None) -> tuple[Fields, dict]:
+        """Everything the device needs, as int32 fields for `to_device`, padded to `capacity` (its
+        `queries` also bound the wanted rows), and the attention batch's host facts."""
+        fields, host = TreeBatch.fields(self.views, self.pool.block_size, capacity)
+        n, r = len(self.tokens), len(self.wanted)
+        pad, pad_rows = (capacity.queries - n, capacity.queries - r) if capacity else (0, 0)
+        fields |= {"ids": (self.tokens + [0] * pad, (n + pad,)), "positions": (self.positions + [0] * pad, (n + pad,)),
+                   "wanted": (self.wanted + [0] * pad_rows, (r + pad_rows,))}
+        return fields, host
 
 
 @dataclass
 class Step:
-    """One forward pass's inputs, prepared once: the caches are extended already."""
+    """One forward pass's inputs on the device."""
 
     ids: torch.Tensor  # [N] token ids
-    cos: torch.Tensor  # [N, 1, D]
-    sin: torch.Tensor
+    positions: torch.Tensor  # [N]
     pool: KVPool
     batch: TreeBatch
     wanted: torch.Tensor  # [R] the rows that reach the LM head, item by item
+
+    @classmethod
+    def from_device(cls, tensors: dict[str, torch.Tensor], pool: KVPool, host: dict) -> "Step":
+        return cls(tensors["ids"], tensors["positions"], pool, TreeBatch.from_device(tensors, pool.block_size, host),
+                   tensors["wanted"])
 
 
 class LlamaModel(nn.Module):
@@ -266,11 +285,20 @@ class LlamaModel(nn.Module):
         device): for each item in turn, its `n_rows` rows (see `row_starts`).
         ids: the batch's token ids [N] already on the device (new tokens and tree nodes, item by
         item), instead of the items' token lists (a speculator's next level, drawn on the device)."""
-        step = self.prepare(items, ids)
-        return self.logits(self.run_layers(self.embed(step.ids), step), step)
+        return self.run(self.prepare(items, ids))
 
     def prepare(self, items: list[StepInput], ids: torch.Tensor | None = None) -> Step:
-        """Extend every item's cache and lay the batch out (ids, rotary angles, attention batch)."""
+        """Extend every item's cache, lay the batch out and copy it to the device in one copy."""
+        layout = self.layout(items)
+        fields, host = layout.fields()
+        step = Step.from_device(to_device(fields, self.device), layout.pool, host)
+        if ids is not None:
+            assert ids.shape == step.ids.shape, (ids.shape, step.ids.shape)
+            step.ids = ids
+        return step
+
+    def layout(self, items: list[StepInput]) -> Layout:
+        """Extend every item's cache and lay the batch out on the host."""
         pool = items[0].cache.pool
         assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
         tokens, positions, views, wanted = [], [], [], []
@@ -283,26 +311,28 @@ class LlamaModel(nn.Module):
             positions += pos
             views.append(RequestView(it.cache.blocks, first, len(it.new_tokens), it.cache.length, tree_rows))
             wanted += range(offset + len(it.new_tokens) - 1 if it.new_tokens else offset, offset + n)
-        to = lambda x: torch.tensor(x, dtype=torch.long).to(self.device, non_blocking=True)
-        if ids is None:
-            ids = to(tokens)
-        assert ids.shape == (len(tokens),), (ids.shape, len(tokens))
-        freqs = to(positions)[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
-        return Step(ids, cos, sin, pool, TreeBatch.build(views, pool.block_size, self.device), to(wanted))
+        return Layout(pool, tokens, positions, views, wanted)
+
+    @torch.no_grad()
+    def run(self, step: Step) -> torch.Tensor:
+        """The forward pass proper, on the device only (what a CUDA graph captures): [R, V] logits."""
+        return self.logits(self.run_layers(self.embed(step.ids), step), step)
 
     @torch.no_grad()
     def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [N, hidden] through this model's layers."""
+        freqs = step.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
+        residual = None
         for layer, block in enumerate(self.layers):
-            x = block(x, step.cos, step.sin, layer, step.pool, step.batch)
-        return x
+            x, residual = block(x, residual, cos, sin, layer, step.pool, step.batch)
+        return x + residual if residual is not None else x
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """[R, V] float32 logits of the wanted rows, on the device."""
-        return self.lm_head(self.norm(x[step.wanted])).float()
+        return self.lm_head(self.norm(x[step.wanted])[0]).float()
 
 
 def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:

@@ -1,5 +1,8 @@
 """Tree attention over a paged KV cache: the reference means what batch.py says, and the Triton
-kernel equals the reference over many shapes.
+kernel equals the reference over many shapes: trees of 1 to 512 nodes over prefixes of 0 to 5000
+tokens, GQA groups 1 to 8, batches mixing decoding, prefill and trees, padded batches of a fixed
+capacity. The comparison catches a wrong causal limit or a wrong ancestor bit, and a launch
+depends only on the batch's capacity, never on its values (so it can be captured in a CUDA graph).
 
 Without a GPU the kernel runs on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set by
 conftest before anything imports Triton); with one, natively on CUDA.
@@ -7,13 +10,16 @@ conftest before anything imports Triton); with one, natively on CUDA.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
 
 from specinfer.tree import ancestor_bits
-from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
+from specinfer_bench import ops
+from specinfer_kernels import Capacity, RequestView, TreeBatch, tree_attention_reference
+from specinfer_kernels import tree_attention_triton as kernel_module
 from specinfer_kernels.tree_attention_triton import tree_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,13 +41,14 @@ def random_parents(rng: random.Random, n: int, shape: str) -> list[int]:
 
 
 def make_case(seed: int, requests: list[tuple[int, int, int, int, str]], hkv: int, group: int, d: int,
-              dtype: torch.dtype, block_size: int = 16):
+              dtype: torch.dtype, block_size: int = 16, capacity=None, pool_blocks: int = 0):
     """requests: (committed prefix in cache, new committed tokens, old tree nodes in cache, new tree
     nodes, tree shape). Blocks are handed out in a shuffled order, so tables are not contiguous."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     need = sum(-(-(p + c + o + t) // block_size) for p, c, o, t, _ in requests)
-    free = list(range(need + 3))
+    pool_blocks = max(pool_blocks, need + 3)
+    free = list(range(pool_blocks))
     rng.shuffle(free)
     views, trees = [], []
     for prefix, committed, old, new, shape in requests:
@@ -52,11 +59,13 @@ def make_case(seed: int, requests: list[tuple[int, int, int, int, str]], hkv: in
         # the queries start at the new committed tokens, or after the tree nodes already cached
         views.append(RequestView(blocks, prefix + old, committed, tree_start, tree_rows(parents, old)))
         trees.append(parents)
-    batch = TreeBatch.build(views, block_size, DEVICE)
-    n_q = batch.host_q_starts[-1]
+    n_q = sum(view.n_queries for view in views)
     q = torch.randn(n_q, hkv * group, d, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(need + 3, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
-    v = torch.randn(need + 3, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(pool_blocks, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    v = torch.randn(pool_blocks, block_size, hkv, d, generator=gen).to(DEVICE, dtype)
+    # with a capacity, padding queries follow the same data and write to a block no request holds
+    batch = TreeBatch.build(views, block_size, DEVICE, capacity and capacity(free[0]))
+    q = torch.cat([q, torch.randn(batch.causal.shape[0] - n_q, hkv * group, d, generator=gen).to(DEVICE, dtype)])
     return q, k, v, batch, views, trees
 
 
@@ -161,3 +170,109 @@ def test_kernel_reads_any_block_size(block_size):
     q, k, v, batch, _, _ = make_case(5, CASES["block_boundaries"], 2, 2, 32, torch.float32, block_size)
     got = tree_attention_triton(q, k, v, batch)
     assert (got - tree_attention_reference(q, k, v, batch)).abs().max().item() <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 5000])
+@pytest.mark.parametrize("nodes", [1, 64, 256, 512])
+def test_kernel_equals_reference_over_trees_and_prefixes(nodes, prefix):
+    """A tree of `nodes` random nodes (a bonus token before it when there is a prefix) over a
+    committed prefix; the dtype cycles so that each one meets large and small cases."""
+    dtype = [torch.float32, torch.float16, torch.bfloat16][(nodes + prefix) % 3]
+    q, k, v, batch, _, _ = make_case(nodes + prefix, [(prefix, int(prefix > 0), 0, nodes, "random")], 1, 2, 32, dtype)
+    got = tree_attention_triton(q, k, v, batch)
+    assert (got.float() - tree_attention_reference(q, k, v, batch).float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_kernel_equals_reference_for_gqa_groups(group, dtype):
+    """Grouped-query attention with 1, 4 and 8 query heads per KV head over the mixed batch."""
+    q, k, v, batch, _, _ = make_case(group, CASES["ragged_batch"], 2, group, 64, dtype)
+    got = tree_attention_triton(q, k, v, batch)
+    assert (got.float() - tree_attention_reference(q, k, v, batch).float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_the_comparison_catches_a_wrong_causal_limit_and_a_wrong_ancestor_bit():
+    """Power: a kernel that got one causal limit or one ancestor bit wrong would differ from the
+    reference by far more than the tolerance."""
+    q, k, v, batch, _, _ = make_case(2, [(40, 3, 0, 0, "chain"), (20, 1, 0, 12, "chain")], 2, 2, 32, torch.float32)
+    want = tree_attention_reference(q, k, v, batch)
+    causal = batch.causal.clone()
+    causal[1] -= 1  # the second new committed token of the prefill misses itself
+    bits = batch.tree_bits.clone()
+    bits[-1, 0] &= ~1  # the deepest node of the chain misses its first ancestor
+    for wrong in (dict(causal=causal), dict(tree_bits=bits)):
+        mutant = TreeBatch(**{**batch.__dict__, **wrong})
+        mutant.__dict__.pop("_launch", None)
+        assert (tree_attention_triton(q, k, v, mutant) - want).abs().max().item() > 100 * TOLERANCE[torch.float32]
+
+
+def capacity(trash: int) -> Capacity:
+    return Capacity(queries=64, requests=6, blocks=24, words=2, trash_block=trash)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_padded_batch_of_fixed_capacity_gives_the_same_rows(dtype):
+    """Padded to a Capacity (empty request slots, padding queries writing to a trash block), the
+    kernel and the reference give the real rows the unpadded batch gives, and zeros or finite
+    values in the padding rows."""
+    requests = [(30, 1, 0, 9, "random"), (5, 0, 0, 4, "wide"), (200, 1, 0, 0, "chain")]
+    q, k, v, batch, _, _ = make_case(4, requests, 2, 2, 32, dtype)
+    qp, kp, vp, padded, _, _ = make_case(4, requests, 2, 2, 32, dtype, capacity=capacity)
+    n = q.shape[0]
+    assert qp.shape[0] == 64 and padded.has_tree and padded.max_seq_len == 24 * 16
+    assert torch.equal(qp[:n], q) and torch.equal(padded.causal[:n], batch.causal)
+    want = tree_attention_reference(q, k, v, batch).float()
+    for fn in (tree_attention_triton, tree_attention_reference):
+        got = fn(qp, kp, vp, padded).float()
+        assert (got[:n] - want).abs().max().item() <= TOLERANCE[dtype]
+        assert torch.isfinite(got[n:]).all()
+    assert not tree_attention_triton(qp, kp, vp, padded)[n:].any(), "padding queries see no key"
+
+
+class Recorder:
+    """Stands in for a Triton kernel: records each launch's grid and arguments."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+            self.launches.append((grid, shapes, kwargs))
+        return launch
+
+
+def test_a_launch_depends_only_on_the_capacity_and_never_waits_for_the_device(monkeypatch):
+    """Two different batches of one capacity launch the same grids with the same sizes and
+    constants, and the call makes no host synchronization: it can run inside a CUDA graph."""
+    launches = []
+    monkeypatch.setattr(kernel_module, "_prefix_kernel", Recorder(launches))
+    monkeypatch.setattr(kernel_module, "_tree_kernel", Recorder(launches))
+    seen, syncs = [], []
+    for requests in ([(30, 1, 0, 9, "random"), (200, 1, 0, 0, "chain")],
+                     [(3, 0, 0, 20, "wide"), (7, 5, 0, 0, "chain"), (100, 1, 0, 30, "random"), (1, 0, 0, 1, "chain")]):
+        q, k, v, batch, _, _ = make_case(9, requests, 2, 4, 32, torch.float16, capacity=capacity, pool_blocks=40)
+        launches.clear()
+        syncs.append(ops.count(functools.partial(tree_attention_triton, q, k, v, batch))[1])
+        seen.append(list(launches))
+    assert len(seen[0]) == 2 and seen[0] == seen[1] and syncs == [0, 0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_captured_call_replays_over_new_batch_contents():
+    q, k, v, batch, _, _ = make_case(11, [(30, 1, 0, 9, "random"), (5, 0, 0, 4, "wide")], 2, 2, 32,
+                                     torch.bfloat16, capacity=capacity, pool_blocks=40)
+    tree_attention_triton(q, k, v, batch)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_attention_triton(q, k, v, batch)
+    q2, k2, v2, batch2, _, _ = make_case(12, [(60, 1, 0, 20, "random"), (2, 0, 0, 1, "chain")], 2, 2, 32,
+                                         torch.bfloat16, capacity=capacity, pool_blocks=40)
+    for mine, new in [(q, q2), (k, k2), (v, v2)] + [(getattr(batch, f), getattr(batch2, f)) for f in (
+            "block_tables", "seq_lens", "tree_starts", "q_starts", "causal", "tree_bits")]:
+        mine.copy_(new)
+    graph.replay()
+    n = batch2.host_q_starts[-2]
+    want = tree_attention_reference(q2, k2, v2, batch2).float()
+    assert (out[:n].float() - want[:n]).abs().max().item() <= TOLERANCE[torch.bfloat16]
