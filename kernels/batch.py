@@ -57,6 +57,17 @@ class Capacity:
     words: int
     trash_block: int
 
+    def fits(self, requests: list[RequestView]) -> bool:
+        """Whether a batch of these requests can be padded to this capacity."""
+        return (sum(r.n_queries for r in requests) <= self.queries and len(requests) < self.requests
+                and max((len(r.blocks) for r in requests), default=0) <= self.blocks
+                and _tree_words(requests) <= self.words)
+
+
+def _tree_words(requests: list[RequestView]) -> int:
+    """Bit words per query that the batch's largest tree needs (at least 1)."""
+    return max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1))
+
 
 Fields = dict[str, tuple[list[int], tuple[int, ...]]]  # name -> (flat int values, shape)
 
@@ -117,13 +128,12 @@ class TreeBatch:
     def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None) -> tuple[Fields, dict]:
         """The batch's tensors as host lists (see `to_device`) and its host-side facts."""
         q_starts, seq_lens, starts, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], [], []
-        words = max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1))
+        words = _tree_words(requests)
         width = max(1, max((len(r.blocks) for r in requests), default=0))
         if capacity is not None:
-            n = sum(r.n_queries for r in requests)
-            if n > capacity.queries or len(requests) >= capacity.requests or width > capacity.blocks or words > capacity.words:
-                raise ValueError(f"tree batch: {n} queries of {len(requests)} requests, {width} blocks and {words} "
-                                 f"tree words exceed the capacity {capacity}")
+            if not capacity.fits(requests):
+                raise ValueError(f"tree batch: {sum(r.n_queries for r in requests)} queries of {len(requests)} "
+                                 f"requests, {width} blocks and {words} tree words exceed the capacity {capacity}")
             words, width = capacity.words, capacity.blocks
         for b, r in enumerate(requests):
             end = r.first + r.n_queries

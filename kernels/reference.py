@@ -3,8 +3,8 @@ kernel is tested against, and what the model runs where there is no GPU.
 
 The whole batch at once: gather every request's keys and values through its block table into a
 padded [B, max_seq_len] layout, scatter the flat queries into [B, max_queries], build the mask
-from the batch's causal limits and tree bits (padding keys hidden; padding query rows, and the
-padding queries of a batch with a Capacity, see key 0 so that nothing is NaN), and make one call to PyTorch's scaled_dot_product_attention (GQA by
+from the batch's causal limits and tree bits (padding keys hidden; padding query rows see key 0 so
+that nothing is NaN; the padding queries of a batch with a Capacity get zeros), and make one call to PyTorch's scaled_dot_product_attention (GQA by
 `enable_gqa`, no K/V copies per head). The ops dispatched do not depend on the batch size.
 """
 
@@ -25,25 +25,29 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
-    if n_q == 0:
-        return torch.empty_like(q)
-    # this batch's own sizes, not a capacity's bounds: the reference never runs inside a graph
-    qs = batch.host_q_starts
-    B, L, M = batch.n_requests, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
-    L = max(L, 1)
-    tables = batch.block_tables[:, : math.ceil(L / bs)].long()
+    # this batch's own sizes, not a capacity's bounds: the reference never runs inside a graph. A
+    # padded batch's empty slots and padding request (no keys) come last; their rows stay zeros
+    live = sum(1 for n in batch.host_seq_lens if n > 0)
+    n_real = batch.host_q_starts[live]
+    if n_real == 0:
+        return torch.zeros_like(q)
+    qs = batch.host_q_starts[: live + 1]
+    B, L, M = live, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
+    tables = batch.block_tables[:B, : math.ceil(L / bs)].long()
     k = k_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)
-    owner = batch.query_requests.long()
-    row = torch.arange(n_q, device=q.device) - batch.q_starts.long()[owner]  # index within its request
+    owner = batch.query_requests[:n_real].long()
+    row = torch.arange(n_real, device=q.device) - batch.q_starts.long()[owner]  # index within its request
     where = (owner, row)
     qp = q.new_zeros(B, M, hq, d)
-    qp[where] = q
+    qp[where] = q[:n_real]
     mask = torch.zeros(B, M, L, dtype=torch.bool, device=q.device)
     mask[..., 0] = True
-    seen = batch.visible(L)
-    seen[:, 0] |= ~seen.any(-1)
-    mask[where] = seen
+    mask[where] = batch.visible(L)[:n_real]
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
                                        enable_gqa=True)  # [B, Hq, M, D]
-    return o.transpose(1, 2)[where]
+    if n_real == n_q:
+        return o.transpose(1, 2)[where]
+    out = torch.zeros_like(q)
+    out[:n_real] = o.transpose(1, 2)[where]
+    return out

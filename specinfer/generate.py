@@ -19,6 +19,7 @@ from enum import Enum
 
 from tqdm import tqdm
 
+from .graphs import GraphConfig
 from .model import LlamaModel, check_token_ids
 from .sampling import SamplingParams
 from .speculator import DraftRequest, Speculator
@@ -78,7 +79,7 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
 
 class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
-                 expansion: list[int] | None = None, replacement: bool = False):
+                 expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig()):
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms:
             raise ValueError(f"mode {mode.value} needs at least one SSM")
@@ -89,8 +90,8 @@ class Engine:
         if mode == Mode.SEQUENCE:
             self.expansion = [1] * len(self.expansion)
         used = {Mode.INCREMENTAL: [], Mode.SEQUENCE: ssms[:1], Mode.TREE: ssms[:1], Mode.MERGED: list(ssms)}[mode]
-        self.speculators = [Speculator(m, index=i) for i, m in enumerate(used)]
-        self.verifier = Verifier(llm)
+        self.speculators = [Speculator(m, index=i, graphs=graphs) for i, m in enumerate(used)]
+        self.verifier = Verifier(llm, graphs=graphs)
         self.replacement = replacement
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:

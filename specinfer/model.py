@@ -289,12 +289,21 @@ class LlamaModel(nn.Module):
 
     def prepare(self, items: list[StepInput], ids: torch.Tensor | None = None) -> Step:
         """Extend every item's cache, lay the batch out and copy it to the device in one copy."""
-        layout = self.layout(items)
-        fields, host = layout.fields()
-        step = Step.from_device(to_device(fields, self.device), layout.pool, host)
+        return self.step(self.layout(items), ids)
+
+    def step(self, layout: Layout, ids: torch.Tensor | None = None, capacity: Capacity | None = None,
+             out: torch.Tensor | None = None) -> Step:
+        """A laid-out batch on the device, in one copy: into a new buffer, or padded to `capacity`
+        into the persistent buffer `out` (see `to_device`). ids: the token ids [N] already on the
+        device, instead of the layout's (a speculator's next level, drawn on the device)."""
+        fields, host = layout.fields(capacity)
+        step = Step.from_device(to_device(fields, self.device, out), layout.pool, host)
         if ids is not None:
-            assert ids.shape == step.ids.shape, (ids.shape, step.ids.shape)
-            step.ids = ids
+            assert ids.shape == (len(layout.tokens),), (ids.shape, len(layout.tokens))
+            if capacity is None:
+                step.ids = ids
+            else:
+                step.ids[: ids.shape[0]].copy_(ids)
         return step
 
     def layout(self, items: list[StepInput]) -> Layout:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import LlamaModel, ModelConfig, StepInput, read_weights
+from .graphs import GraphConfig
 from .verifier import Verifier, VerifyRequest
 from .verify import Verdict
 
@@ -194,7 +195,7 @@ class PipelineVerifier(Verifier):
     """One rank's verifier: its stage of the model, its shard of every request's KV cache."""
 
     def __init__(self, model: LlamaModel, kv_tokens: int, layout: Layout):
-        super().__init__(model, kv_tokens)
+        super().__init__(model, kv_tokens, GraphConfig(mode="eager"))  # its forward is its own, eager
         self.layout = layout
 
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, sparsify, stream_key, uniform
@@ -56,9 +57,11 @@ class _Row:
 
 
 class Speculator:
-    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS):
+    def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
+                 graphs: GraphConfig = GraphConfig(), progress: bool = False):
         self.model = model
         self.pool = model.new_pool(kv_tokens)
+        self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.index = index  # keeps each SSM's random draws independent of the others'
         self.q_top = q_top
         self.caches: dict[str, KVCache] = {}
@@ -100,7 +103,7 @@ class Speculator:
         items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
         ids, levels, depth = None, [], 0
         while rows:
-            logits = self.model(items, ids)  # [len(rows), V]: one row per frontier node
+            logits = self.run(items, ids)  # [len(rows), V]: one row per frontier node
             k = [batch[row.request].expansion[depth] for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
             levels.append((rows, k, children))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .model import LlamaModel, StepInput, check_token_ids, row_starts
 from .sampling import SamplingParams
@@ -34,9 +35,11 @@ class VerifyRequest:
 
 
 class Verifier:
-    def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS):
+    def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
+                 progress: bool = False):
         self.model = model
         self.pool = model.new_pool(kv_tokens)
+        self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
@@ -84,7 +87,7 @@ class Verifier:
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         """The LLM's logits [R, V] on its device, 1 + n_tree rows per item (a model-parallel
         verifier: None on the ranks that do not hold them)."""
-        return self.model(items)
+        return self.run(items)
 
     def decide(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int]) -> list[Verdict]:
         """Each request's accepted path and tokens, from its rows of the logits (starting at starts)."""

@@ -14,6 +14,7 @@ import sys
 import typing
 from dataclasses import dataclass
 
+from specinfer.graphs import GraphConfig
 from specinfer.kv_cache import POOL_TOKENS
 
 
@@ -90,3 +91,11 @@ class ModelServerConfig(ServerConfig):
     device: str = option("auto", "cpu, cuda or cuda:N (auto: cuda when there is a GPU)")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     kv_cache_tokens: int = option(POOL_TOKENS, "token slots of the paged KV cache pool, preallocated at start")
+    enforce_eager: bool = option(False, "never capture CUDA graphs: every forward pass runs eagerly")
+    graph_max_tokens: int = option(256, "CUDA graphs are captured for steps of 1, 2, 4, ... up to this many tokens "
+                                        "(larger steps run eagerly)")
+    graph_max_batch: int = option(64, "requests per step, at most, in a CUDA graph")
+
+    def graphs(self) -> GraphConfig:
+        """How forward passes run: CUDA graphs on a GPU unless --enforce-eager, eager elsewhere."""
+        return GraphConfig("eager" if self.enforce_eager else "auto", self.graph_max_tokens, self.graph_max_batch)

@@ -36,8 +36,11 @@ async def main(cfg: SpeculatorConfig) -> None:
     models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype], device=device) for d in cfg.ssm]
     if len({m.cfg.vocab_size for m in models}) != 1:
         raise SystemExit("speculator: the SSMs must share a tokenizer (vocab sizes differ)")
-    servicer = SpeculatorServicer([Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens)
-                                   for i, m in enumerate(models)],
+    speculators = [Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens, graphs=cfg.graphs(),
+                              progress=True) for i, m in enumerate(models)]
+    for spec, name in zip(speculators, cfg.ssm):
+        print(f"speculator {Path(name).name}: {spec.run.describe()}", flush=True)
+    servicer = SpeculatorServicer(speculators,
                                   [Path(d).name for d in cfg.ssm])
     service = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
     await serve("speculator", cfg, [(speculator_pb2_grpc.add_SpeculatorServicer_to_server, servicer, service)])

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specinfer.generate import Engine, Mode, Request, validate
+from specinfer.graphs import GraphConfig
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
@@ -59,6 +60,17 @@ def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, ex
     assert [g.token_ids for g in gens] == want
     if mode != Mode.INCREMENTAL:
         assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"
+
+
+def test_greedy_output_matches_incremental_decoding_through_static_buffers(shipped, reference):
+    """Every forward pass padded to its bucket in persistent buffers (the CUDA-graph path, without
+    the graph on the CPU): still the LLM's own greedy output."""
+    _, _, llm, ssms = shipped
+    prompts, want = reference
+    graphs = GraphConfig(mode="static", max_tokens=512, max_batch=16, max_tree=64, max_context=256)
+    gens = Engine(llm, ssms, Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1], graphs=graphs).generate(
+        [Request(p, NEW_TOKENS) for p in prompts])
+    assert [g.token_ids for g in gens] == want
 
 
 @pytest.fixture(scope="module")

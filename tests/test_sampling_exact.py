@@ -23,6 +23,7 @@ from scipy.stats import chisquare
 
 from specinfer import verify as verify_module
 from specinfer.generate import Engine, Mode, Request
+from specinfer.graphs import GraphConfig
 from specinfer.kv_cache import KVPool
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams, probabilities
@@ -33,6 +34,8 @@ ALPHA = 1e-3  # a correct rule fails with this probability per test (seeds are f
 
 
 class MarkovModel:
+    device = torch.device("cpu")
+
     def __init__(self, P: torch.Tensor):
         self.logits = P.log()
         self.cfg = SimpleNamespace(vocab_size=P.shape[0], eos_token_ids=(), max_position_embeddings=1 << 20)
@@ -95,8 +98,8 @@ def markov_exact(P: torch.Tensor, start: int, params: SamplingParams, skip: int,
     return exact
 
 
-def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4):
-    engine = Engine(llm, ssms, mode, expansion, replacement)
+def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4, graphs=GraphConfig()):
+    engine = Engine(llm, ssms, mode, expansion, replacement, graphs)
     reqs = [Request(list(prompt), new_tokens, SamplingParams(params.temperature, params.top_k, params.top_p, seed=s))
             for s in range(n)]
     return engine.generate(reqs)
@@ -181,11 +184,19 @@ def llama_exact(hf, prompt: list[int], params: SamplingParams, keep: int) -> dic
     return exact
 
 
-@pytest.mark.parametrize("mode,replacement", [(Mode.TREE, True), (Mode.TREE, False), (Mode.MERGED, False)])
-def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement):
+# the padded static-buffer path of CUDA graphs (without a graph: this runs on the CPU), with
+# buckets large enough for 3000 requests at once
+STATIC = GraphConfig(mode="static", max_tokens=65536, max_batch=4096, max_tree=32, max_context=32)
+
+
+@pytest.mark.parametrize("mode,replacement,graphs", [(Mode.TREE, True, GraphConfig()), (Mode.TREE, False, GraphConfig()),
+                                                     (Mode.MERGED, False, GraphConfig()), (Mode.MERGED, False, STATIC)],
+                         ids=["tree-replacement", "tree", "merged", "merged-static-buffers"])
+def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement, graphs):
     hf, llm, ssms = tiny_vocab
     params = SamplingParams(temperature=0.9)
     prompt = [1, 4, 2]
-    gens = run(llm, ssms, mode, [2, 2], params, n=3000, replacement=replacement, prompt=prompt, new_tokens=4)
+    gens = run(llm, ssms, mode, [2, 2], params, n=3000, replacement=replacement, prompt=prompt, new_tokens=4,
+               graphs=graphs)
     samples = [tuple(g.token_ids[1:4]) for g in gens]
     assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA

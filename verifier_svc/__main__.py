@@ -40,7 +40,9 @@ async def main(cfg: VerifierConfig) -> None:
                                     cfg.dist_timeout)
         print(f"verifier: tp {cfg.tp} x pp {cfg.pp}, ranks 1.. are pids {verifier.pids()}", flush=True)
     else:
-        verifier = Verifier(LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device), cfg.kv_cache_tokens)
+        verifier = Verifier(LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device), cfg.kv_cache_tokens,
+                            cfg.graphs(), progress=True)
+        print(f"verifier: {verifier.run.describe()}", flush=True)
     servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     try:
