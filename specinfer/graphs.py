@@ -1,7 +1,8 @@
 """CUDA graphs for forward passes: persistent padded inputs, one graph per size, replayed.
 
 A `StepRunner` runs one model's forward passes over one KV pool. Sizes are buckets of total
-tokens (1, 2, 4, ... `max_tokens`); each bucket has a `Capacity` (its tokens, up to `max_batch`
+tokens, four per doubling (1, 2, 3, ... 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... `max_tokens`),
+so padding costs at most a quarter of a step; each bucket has a `Capacity` (its tokens, up to `max_batch`
 requests, block tables `max_context` tokens wide, trees of up to `max_tree` nodes) and one
 persistent int32 device buffer holding every per-step input: token ids, positions, KV write
 slots, block tables, query offsets, causal limits, ancestor bits, the rows that reach the LM head.
@@ -9,7 +10,7 @@ A step that fits a bucket is laid out on the host padded to that capacity and la
 bucket's buffer in one host-to-device copy; then the bucket's graph, captured at start-up over
 that buffer, is replayed, and the step's logits are the first R rows of the graph's output.
 Padding queries see no key and write their own K/V into a block reserved for them. A step that
-fits no bucket runs eagerly.
+fits no bucket runs eagerly (`eager_steps` counts them).
 
 Modes: "graphs" (CUDA only), "static" (the padded buffers without a graph: what the CPU can check
 of the graph path, used by tests), "eager" (the model's own forward), "auto" (graphs on CUDA,
@@ -51,6 +52,16 @@ class GraphConfig:
         return self.mode
 
 
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """Token counts with a graph: every size up to 8, then four per doubling (10, 12, 14, 16, 20,
+    ...), so a step pads by less than a quarter; `max_tokens` is the last."""
+    sizes, size = [], 1
+    while size < max_tokens:
+        sizes.append(size)
+        size += max(1, 2 ** (size.bit_length() - 3))
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
 @dataclass
 class _Bucket:
     capacity: Capacity
@@ -67,16 +78,15 @@ class StepRunner:
         self.mode = config.resolve(model.device)
         self.buckets: list[_Bucket] = []
         self.graph_bytes = 0  # device memory the captured graphs hold
+        self.eager_steps = 0  # steps that fit no bucket
         if self.mode == "eager":
             return
         trash = pool.allocate(1)[0]  # the padding queries' K/V land here; no request ever holds it
         blocks = math.ceil(config.max_context / pool.block_size)
-        size = 1
-        while size <= config.max_tokens:
+        for size in bucket_sizes(config.max_tokens):
             cap = Capacity(size, min(size, config.max_batch) + 1, blocks, math.ceil(config.max_tree / 32), trash)
             n = sum(len(values) for values, _ in self._empty().fields(cap)[0].values())
             self.buckets.append(_Bucket(cap, torch.zeros(n, dtype=torch.int32, device=model.device)))
-            size *= 2
         if self.mode == "graphs":
             self._capture(progress)
 
@@ -84,14 +94,20 @@ class StepRunner:
         return Layout(self.pool, [], [], [], [])
 
     def _capture(self, progress: bool) -> None:
-        """Capture every bucket's graph, largest first, all in one memory pool."""
+        """Capture every bucket's graph, largest first, all in one memory pool, after running each
+        bucket eagerly on a side stream (compiling the kernels, warming cuBLAS)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bucket in tqdm(self.buckets, desc="warming up", disable=not progress):
+                for _ in range(2):
+                    self.model.run(self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer))
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         mempool = torch.cuda.graph_pool_handle()
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
-            for _ in range(2):  # compile the kernels and warm cuBLAS outside the capture
-                self.model.run(self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer))
-            torch.cuda.synchronize()
             step = self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer)
             bucket.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.graph, pool=mempool):
@@ -109,12 +125,15 @@ class StepRunner:
         return f"{len(self.buckets)} CUDA graphs ({sizes}) holding {self.graph_bytes / 2**20:.1f} MiB"
 
     def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them."""
+        """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay
+        they are a view of the graph's output, valid until that bucket's next replay: a caller
+        that keeps them across steps must clone them."""
         if self.mode == "eager":
             return self.model(items, ids)
         layout = self.model.layout(items)
         bucket = next((b for b in self.buckets if b.capacity.fits(layout.views)), None)
         if bucket is None:
+            self.eager_steps += 1
             return self.model.run(self.model.step(layout, ids))
         step = self.model.step(layout, ids, bucket.capacity, bucket.buffer)
         rows = len(layout.wanted)

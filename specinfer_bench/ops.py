@@ -44,15 +44,18 @@ def count(fn) -> tuple[int, int]:
     return len(names), syncs
 
 
-def verifier_step(llm: LlamaModel, batch: int, tree: int, temperature: float):
-    """A function that runs one verifier step over `batch` requests (32-token prompts, prefilled
-    here), each with a tree of the same `tree`-node shape and fresh random tokens; sampled trees get
-    one draft group per node."""
-    rng = random.Random(batch)
-    vocab = llm.cfg.vocab_size
-    verifier = Verifier(llm)
+def verifier_step(verifier: Verifier, batch: int, tree: int, temperature: float = 0.0, prompt_len: int = 32,
+                  rng: random.Random | None = None):
+    """A function that runs one verifier step over `batch` fresh requests (the verifier's earlier
+    ones released; random `prompt_len`-token prompts, prefilled here), each with a tree of the same
+    `tree`-node shape and fresh random tokens; sampled trees get one draft group per node. Random
+    drafts are almost never accepted: a step adds about one token per request."""
+    rng = rng or random.Random(batch)
+    vocab = verifier.model.cfg.vocab_size
+    for rid in list(verifier.caches):
+        verifier.release(rid)
     params = [SamplingParams(temperature, seed=i) for i in range(batch)]
-    verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(32)], TokenTree(), params[i])
+    verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], TokenTree(), params[i])
                    for i in range(batch)])
     shape = random_tree(random.Random(0), tree, 2).parents
 
@@ -65,14 +68,17 @@ def verifier_step(llm: LlamaModel, batch: int, tree: int, temperature: float):
     return step
 
 
-def speculator_draft(ssm: LlamaModel, batch: int, expansion: list[int], temperature: float):
-    """A function that runs one draft of `expansion` trees for `batch` requests, each told one new
-    token (their 32-token prompts are drafted from once here)."""
-    rng = random.Random(batch)
-    vocab = ssm.cfg.vocab_size
-    spec = Speculator(ssm)
+def speculator_draft(spec: Speculator, batch: int, expansion: list[int], temperature: float = 0.0,
+                     prompt_len: int = 32, rng: random.Random | None = None):
+    """A function that runs one draft of `expansion` trees for `batch` fresh requests (the
+    speculator's earlier ones released), each told one new random token (their random
+    `prompt_len`-token prompts are drafted from once here)."""
+    rng = rng or random.Random(batch)
+    vocab = spec.model.cfg.vocab_size
+    for rid in list(spec.caches):
+        spec.release(rid)
     params = [SamplingParams(temperature, seed=i) for i in range(batch)]
-    spec.draft([DraftRequest(str(i), [rng.randrange(vocab) for _ in range(32)], expansion, params[i])
+    spec.draft([DraftRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], expansion, params[i])
                 for i in range(batch)])
     return lambda: spec.draft([DraftRequest(str(i), [rng.randrange(vocab)], expansion, params[i])
                                for i in range(batch)])
@@ -99,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for temperature in (0.0, 0.8):
         for b in [int(x) for x in args.batches.split(",")]:
-            v_ops, v_syncs, v_ms = measure(verifier_step(llm, b, args.tree, temperature), args.repeats)
-            s_ops, s_syncs, s_ms = measure(speculator_draft(ssm, b, expansion, temperature), args.repeats)
+            v_ops, v_syncs, v_ms = measure(verifier_step(Verifier(llm), b, args.tree, temperature), args.repeats)
+            s_ops, s_syncs, s_ms = measure(speculator_draft(Speculator(ssm), b, expansion, temperature), args.repeats)
             rows.append({"temperature": temperature, "batch": b, "verifier_ops": v_ops, "verifier_syncs": v_syncs,
                          "verifier_ms": v_ms, "speculator_ops": s_ops, "speculator_syncs": s_syncs,
                          "speculator_ms": s_ms})

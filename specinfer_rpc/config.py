@@ -95,7 +95,9 @@ class ModelServerConfig(ServerConfig):
     graph_max_tokens: int = option(256, "CUDA graphs are captured for steps of 1, 2, 4, ... up to this many tokens "
                                         "(larger steps run eagerly)")
     graph_max_batch: int = option(64, "requests per step, at most, in a CUDA graph")
+    graph_max_context: int = option(4096, "tokens per request, at most, in a CUDA graph (longer ones run eagerly)")
 
     def graphs(self) -> GraphConfig:
         """How forward passes run: CUDA graphs on a GPU unless --enforce-eager, eager elsewhere."""
-        return GraphConfig("eager" if self.enforce_eager else "auto", self.graph_max_tokens, self.graph_max_batch)
+        return GraphConfig("eager" if self.enforce_eager else "auto", self.graph_max_tokens, self.graph_max_batch,
+                           max_context=self.graph_max_context)

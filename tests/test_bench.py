@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -83,3 +84,25 @@ def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
     if not torch.cuda.is_available():
         assert "kernel_ms" not in data["attention"][0] and "No GPU" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_per_step(tmp_path):
+    out = tmp_path / "runtime"
+    proc = subprocess.run([sys.executable, "-m", "specinfer_bench.runtime", "--device", "cpu", "--models", "llm,ssm",
+                           "--batches", "1", "--trees", "0,16", "--repeats", "2", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    meta = data["meta"]
+    assert meta["graphed"] == "static" and meta["dtype"] == "float32" and "proxy" in meta["launches"]
+    assert data["skipped"] == [] and set(meta["models"]) == {"llm", "ssm"}
+    cases = {(r["model"], r["batch"], r["tree"]) for r in data["rows"]}
+    assert cases == {(m, 1, t) for m in ("llm", "ssm") for t in (0, 16)}
+    for r in data["rows"]:
+        eager, static = r["eager"], r["static"]
+        assert all(math.isfinite(m["step_ms"]) and m["step_ms"] > 0 and m["launches"] > 0 and m["gpu_busy"] is None
+                   for m in (eager, static))
+        assert math.isfinite(r["graphed_vs_eager"]) and r["padded_tokens"][0] >= r["tokens"][0]
+        assert eager["syncs"] == static["syncs"] == 1, r
+        assert 1.0 <= r["context_growth"] <= 1.2, "random drafts are rarely accepted: about one token per step"
+    assert "eager vs static" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 10_000

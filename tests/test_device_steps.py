@@ -161,8 +161,8 @@ def test_the_speculator_service_redrafts_a_request_with_no_new_tokens():
 def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperature):
     llm = LlamaModel.from_pretrained(MODELS / "llm")
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
-    verifier = {b: ops.count(ops.verifier_step(llm, b, 8, temperature)) for b in (1, 32)}
-    speculator = {b: ops.count(ops.speculator_draft(ssm, b, [2, 1, 1], temperature)) for b in (1, 32)}
+    verifier = {b: ops.count(ops.verifier_step(Verifier(llm), b, 8, temperature)) for b in (1, 32)}
+    speculator = {b: ops.count(ops.speculator_draft(Speculator(ssm), b, [2, 1, 1], temperature)) for b in (1, 32)}
     print(f"T={temperature}: verifier step (ops, syncs) {verifier}; speculator <2,1,1> draft {speculator}")
     for counts in (verifier, speculator):
         assert counts[32][0] <= 1.2 * counts[1][0]
