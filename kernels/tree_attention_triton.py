@@ -75,7 +75,7 @@ def _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, tree_start,
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
-        block = tl.load(block_tables + b * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0)
+        block = tl.load(block_tables + b * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)  # large pools
         slot = j % BLOCK_SIZE
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(K + block[:, None] * stride_kb + kv_head * stride_kh + slot[:, None] * stride_kt + d[None, :],

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from specinfer_kernels import Capacity
+from specinfer_kernels import Capacity, backend
 
 from .kv_cache import KVPool
 from .model import Layout, LlamaModel, StepInput
@@ -45,10 +45,13 @@ class GraphConfig:
         """The mode a model on `device` runs in."""
         if self.mode not in MODES:
             raise ValueError(f"graph mode {self.mode!r} is not one of {MODES}")
-        if self.mode == "graphs" and device.type != "cuda":
-            raise ValueError(f"graph mode 'graphs' needs a CUDA device, the model is on {device}")
+        # a graph replays what was captured; the reference attention sizes its work on the host
+        capturable = device.type == "cuda" and backend(device) == "triton"
+        if self.mode == "graphs" and not capturable:
+            raise ValueError(f"graph mode 'graphs' needs a CUDA device and the Triton tree attention "
+                             f"(the model is on {device}, attention: {backend(device)})")
         if self.mode == "auto":
-            return "graphs" if device.type == "cuda" else "eager"
+            return "graphs" if capturable else "eager"
         return self.mode
 
 
@@ -67,7 +70,6 @@ class _Bucket:
     capacity: Capacity
     buffer: torch.Tensor  # every per-step input, int32
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # the graph's output [tokens, V]
 
 
 class StepRunner:
@@ -78,10 +80,11 @@ class StepRunner:
         self.mode = config.resolve(model.device)
         self.buckets: list[_Bucket] = []
         self.graph_bytes = 0  # device memory the captured graphs hold
+        self.logits: torch.Tensor | None = None  # [max_tokens, V]: every graph writes its logits here
         self.eager_steps = 0  # steps that fit no bucket
         if self.mode == "eager":
             return
-        trash = pool.allocate(1)[0]  # the padding queries' K/V land here; no request ever holds it
+        trash = pool.reserve()  # the padding queries' K/V land here; no request ever holds it
         blocks = math.ceil(config.max_context / pool.block_size)
         for size in bucket_sizes(config.max_tokens):
             cap = Capacity(size, min(size, config.max_batch) + 1, blocks, math.ceil(config.max_tree / 32), trash)
@@ -106,12 +109,13 @@ class StepRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
+        self.logits = torch.empty(self.buckets[-1].capacity.queries, self.model.cfg.vocab_size, device=self.model.device)
         mempool = torch.cuda.graph_pool_handle()
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
             step = self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer)
             bucket.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.graph, pool=mempool):
-                bucket.logits = self.model.run(step)
+                self.logits[: bucket.capacity.queries].copy_(self.model.run(step))
         torch.cuda.synchronize()
         self.graph_bytes = torch.cuda.memory_reserved() - before
 
@@ -126,7 +130,7 @@ class StepRunner:
 
     def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay
-        they are a view of the graph's output, valid until that bucket's next replay: a caller
+        they are a view of the runner's one output buffer, valid until its next call: a caller
         that keeps them across steps must clone them."""
         if self.mode == "eager":
             return self.model(items, ids)
@@ -140,4 +144,4 @@ class StepRunner:
         if bucket.graph is None:
             return self.model.run(step)[:rows]
         bucket.graph.replay()
-        return bucket.logits[:rows]
+        return self.logits[:rows]

@@ -46,10 +46,17 @@ class KVPool:
         self.k = torch.zeros(n_layers, n_blocks, block_size, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
+        self.reserved = 0  # blocks taken for good by the runtime (a graph's padding writes), never a request's
 
     @property
     def n_blocks(self) -> int:
-        return self.k.shape[1]
+        """Blocks requests can hold: the pool's own, less the reserved ones."""
+        return self.k.shape[1] - self.reserved
+
+    def reserve(self) -> int:
+        """Take one block for good, out of what requests can ever hold."""
+        self.reserved += 1
+        return self.allocate(1)[0]
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block_size)

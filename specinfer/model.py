@@ -271,8 +271,10 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, embed, head)
         model.load_state_dict(hf_to_ours(raw, cfg, embed, head), assign=True, strict=True)
-        model.inv_freq = rope_inv_freq(cfg)
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        model.inv_freq = rope_inv_freq(cfg)  # out of the meta device
+        model = model.to(device=device, dtype=dtype)
+        model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the weights' dtype, as in HF
+        return model.eval().requires_grad_(False)
 
     def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE) -> KVPool:
         """A KV pool for this model holding `tokens` token slots (rounded down to whole blocks)."""
