@@ -46,6 +46,22 @@ class RequestView:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a batch of requests needs of a capacity: its queries, its requests, the longest block
+    table, and the tree-bit words per query of its largest tree (at least 1)."""
+
+    queries: int
+    requests: int
+    blocks: int
+    words: int
+
+    @classmethod
+    def of(cls, requests: list[RequestView]) -> "Needs":
+        return cls(sum(r.n_queries for r in requests), len(requests), max((len(r.blocks) for r in requests), default=0),
+                   max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1)))
+
+
+@dataclass(frozen=True)
 class Capacity:
     """Fixed shapes of a padded batch: `queries` rows, `requests` request slots (the last holds the
     padding), block tables `blocks` wide, `words` tree-bit words per query. Padding queries write
@@ -57,16 +73,10 @@ class Capacity:
     words: int
     trash_block: int
 
-    def fits(self, requests: list[RequestView]) -> bool:
-        """Whether a batch of these requests can be padded to this capacity."""
-        return (sum(r.n_queries for r in requests) <= self.queries and len(requests) < self.requests
-                and max((len(r.blocks) for r in requests), default=0) <= self.blocks
-                and _tree_words(requests) <= self.words)
-
-
-def _tree_words(requests: list[RequestView]) -> int:
-    """Bit words per query that the batch's largest tree needs (at least 1)."""
-    return max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1))
+    def fits(self, needs: Needs) -> bool:
+        """Whether a batch with these needs can be padded to this capacity (one slot stays for the padding)."""
+        return (needs.queries <= self.queries and needs.requests < self.requests and needs.blocks <= self.blocks
+                and needs.words <= self.words)
 
 
 Fields = dict[str, tuple[list[int], tuple[int, ...]]]  # name -> (flat int values, shape)
@@ -125,15 +135,16 @@ class TreeBatch:
     host_seq_lens: list[int] = field(repr=False)
 
     @staticmethod
-    def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None) -> tuple[Fields, dict]:
-        """The batch's tensors as host lists (see `to_device`) and its host-side facts."""
+    def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None,
+               needs: Needs | None = None) -> tuple[Fields, dict]:
+        """The batch's tensors as host lists (see `to_device`) and its host-side facts. `needs`:
+        `Needs.of(requests)`, when the caller has it already."""
         q_starts, seq_lens, starts, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], [], []
-        words = _tree_words(requests)
-        width = max(1, max((len(r.blocks) for r in requests), default=0))
+        needs = needs or Needs.of(requests)
+        words, width = needs.words, max(1, needs.blocks)
         if capacity is not None:
-            if not capacity.fits(requests):
-                raise ValueError(f"tree batch: {sum(r.n_queries for r in requests)} queries of {len(requests)} "
-                                 f"requests, {width} blocks and {words} tree words exceed the capacity {capacity}")
+            if not capacity.fits(needs):
+                raise ValueError(f"tree batch: {needs} exceed the capacity {capacity}")
             words, width = capacity.words, capacity.blocks
         for b, r in enumerate(requests):
             end = r.first + r.n_queries

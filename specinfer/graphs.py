@@ -135,7 +135,7 @@ class StepRunner:
         if self.mode == "eager":
             return self.model(items, ids)
         layout = self.model.layout(items)
-        bucket = next((b for b in self.buckets if b.capacity.fits(layout.views)), None)
+        bucket = next((b for b in self.buckets if b.capacity.fits(layout.needs)), None)
         if bucket is None:
             self.eager_steps += 1
             return self.model.run(self.model.step(layout, ids))

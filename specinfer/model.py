@@ -19,6 +19,7 @@ hand it, and nothing about sampling.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -29,8 +30,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from specinfer_kernels import (Capacity, RequestView, TreeBatch, add_rms_norm, rotary_qkv, silu_mul, to_device,
-                               tree_attention)
+from specinfer_kernels import (Capacity, Needs, RequestView, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
+                               to_device, tree_attention)
 from specinfer_kernels.batch import Fields
 
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
@@ -210,10 +211,15 @@ class Layout:
     views: list[RequestView]  # what attention needs to know per item
     wanted: list[int]  # [R] the rows that reach the LM head, item by item
 
+    @functools.cached_property
+    def needs(self) -> Needs:
+        """What a capacity must hold for this batch."""
+        return Needs.of(self.views)
+
     def fields(self, capacity: Capacity | None = None) -> tuple[Fields, dict]:
         """Everything the device needs, as int32 fields for `to_device`, padded to `capacity` (its
         `queries` also bound the wanted rows), and the attention batch's host facts."""
-        fields, host = TreeBatch.fields(self.views, self.pool.block_size, capacity)
+        fields, host = TreeBatch.fields(self.views, self.pool.block_size, capacity, self.needs)
         n, r = len(self.tokens), len(self.wanted)
         pad, pad_rows = (capacity.queries - n, capacity.queries - r) if capacity else (0, 0)
         fields |= {"ids": (self.tokens + [0] * pad, (n + pad,)), "positions": (self.positions + [0] * pad, (n + pad,)),
@@ -271,9 +277,10 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, embed, head)
         model.load_state_dict(hf_to_ours(raw, cfg, embed, head), assign=True, strict=True)
-        model.inv_freq = rope_inv_freq(cfg)  # out of the meta device
+        inv_freq = rope_inv_freq(cfg)
+        model.inv_freq = inv_freq  # out of the meta device, so that the model can move
         model = model.to(device=device, dtype=dtype)
-        model.inv_freq = rope_inv_freq(cfg).to(device)  # float32 whatever the weights' dtype, as in HF
+        model.inv_freq = inv_freq.to(device)  # float32 whatever the weights' dtype, as in HF
         return model.eval().requires_grad_(False)
 
     def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE) -> KVPool:

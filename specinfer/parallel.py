@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .model import LlamaModel, ModelConfig, StepInput, read_weights
 from .graphs import GraphConfig
+from .model import LlamaModel, ModelConfig, StepInput, read_weights
 from .verifier import Verifier, VerifyRequest
 from .verify import Verdict
 
