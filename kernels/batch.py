@@ -133,6 +133,16 @@ class TreeBatch:
     # the batch's facts on the host, for the reference (which runs where there is no graph)
     host_q_starts: list[int] = field(repr=False)
     host_seq_lens: list[int] = field(repr=False)
+    # tensors derived from the batch alone (index and mask tensors), made once per forward pass and
+    # shared by all its layers; see `derived`
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def derived(self, key, make):
+        """make(), computed on the first call for `key` and kept with this batch: what every layer
+        of a forward would otherwise recompute from the batch (it never depends on a layer)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     @staticmethod
     def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None,
@@ -221,6 +231,7 @@ class TreeBatch:
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the queries' own keys and values: k, v [N, Hkv, D] into one layer's pool
-        k_cache, v_cache [n_blocks, block_size, Hkv, D]."""
-        k_cache[self.write_blocks, self.write_offsets] = k
-        v_cache[self.write_blocks, self.write_offsets] = v
+        k_cache, v_cache [n_blocks, block_size, Hkv, D] (contiguous)."""
+        slots = self.derived("write_slots", lambda: self.write_blocks.long() * self.block_size + self.write_offsets)
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)

@@ -25,29 +25,42 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
-    # this batch's own sizes, not a capacity's bounds: the reference never runs inside a graph. A
-    # padded batch's empty slots and padding request (no keys) come last; their rows stay zeros
-    live = sum(1 for n in batch.host_seq_lens if n > 0)
-    n_real = batch.host_q_starts[live]
-    if n_real == 0:
+    plan = batch.derived("reference", lambda: _plan(batch))
+    if plan is None:
         return torch.zeros_like(q)
-    qs = batch.host_q_starts[: live + 1]
-    B, L, M = live, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
-    tables = batch.block_tables[:B, : math.ceil(L / bs)].long()
+    B, M, n_real, tables, where, mask = plan
+    L = mask.shape[-1]
     k = k_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
     v = v_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)
-    owner = batch.query_requests[:n_real].long()
-    row = torch.arange(n_real, device=q.device) - batch.q_starts.long()[owner]  # index within its request
-    where = (owner, row)
     qp = q.new_zeros(B, M, hq, d)
     qp[where] = q[:n_real]
-    mask = torch.zeros(B, M, L, dtype=torch.bool, device=q.device)
-    mask[..., 0] = True
-    mask[where] = batch.visible(L)[:n_real]
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=True)  # [B, Hq, M, D]
     if n_real == n_q:
         return o.transpose(1, 2)[where]
     out = torch.zeros_like(q)
     out[:n_real] = o.transpose(1, 2)[where]
     return out
+
+
+def _plan(batch: TreeBatch):
+    """What every layer's call shares, from the batch alone: (requests B, queries per request M, real
+    queries, block tables [B, blocks] of the live requests, each query's (request, row) index into
+    [B, M], the mask [B, 1, M, L]); None when no query is real. This batch's own sizes, not a
+    capacity's bounds: the reference never runs inside a graph. A padded batch's empty slots and
+    padding request (no keys) come last; their rows stay zeros."""
+    live = sum(1 for n in batch.host_seq_lens if n > 0)
+    n_real = batch.host_q_starts[live]
+    if n_real == 0:
+        return None
+    qs = batch.host_q_starts[: live + 1]
+    B, L, M = live, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
+    device = batch.causal.device
+    tables = batch.block_tables[:B, : math.ceil(L / batch.block_size)].long()
+    owner = batch.query_requests[:n_real].long()
+    row = torch.arange(n_real, device=device) - batch.q_starts.long()[owner]  # index within its request
+    where = (owner, row)
+    mask = torch.zeros(B, M, L, dtype=torch.bool, device=device)
+    mask[..., 0] = True
+    mask[where] = batch.visible(L)[:n_real]
+    return B, M, n_real, tables, where, mask[:, None]

@@ -212,9 +212,7 @@ def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, to
     """(request, first row) of every tile of BLOCK_M (query, head-in-group) rows, computed on the
     device from q_starts, padded with request -1 up to a bound that depends only on shapes;
     cached on the batch, so all layers of a forward share it."""
-    key = ("tiles", group, block_m)
-    cache = batch.__dict__.setdefault("_launch", {})
-    if key not in cache:
+    def make():
         q_starts = batch.q_starts
         n_req = q_starts.shape[0] - 1
         rows = (q_starts[1:] - q_starts[:-1]) * group
@@ -225,8 +223,9 @@ def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, to
         request = torch.searchsorted(end, t, right=True, out_int32=True)
         inside = request.clamp(max=max(n_req - 1, 0))
         first = (t - (end - count)[inside]) * block_m
-        cache[key] = (torch.where(request < n_req, request, -1), first)
-    return cache[key]
+        return torch.where(request < n_req, request, -1), first
+
+    return batch.derived(("tiles", group, block_m), make)
 
 
 @functools.lru_cache
