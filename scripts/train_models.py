@@ -15,6 +15,12 @@ Every stage is checkpointed under --work (default `.train/`): run the same comma
 interruption and it resumes where it stopped. Everything is seeded; on the same interpreter and
 package versions a rerun writes the same weights. Nothing is downloaded.
 
+The LLM's pretraining is a sequence of cosine cycles (warm restarts, `--llm-steps 1200,1300`), each
+with its own warmup and half the previous cycle's peak learning rate: appending a cycle trains an
+existing LLM further without redoing the cycles before it. Everything downstream of the LLM (the SSMs'
+base, the distillation set, both SSMs) is kept under a directory named after the cycles, so it is
+rebuilt from the LLM it belongs to.
+
     python scripts/train_models.py --out models                  # train (hours on 2 CPU cores)
     python scripts/train_models.py --out models --evaluate-only  # measure the models in --out
 
@@ -337,7 +343,8 @@ def main():
     ap.add_argument("--report", type=Path, default=Path("bench/results/models_cpu.json"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--llm-steps", type=int, default=1200)
+    ap.add_argument("--llm-steps", type=lambda v: [int(x) for x in v.split(",")], default=[1200, 1300],
+                    help="steps of each cosine cycle of LLM pretraining, comma-separated")
     ap.add_argument("--ssm-steps", type=int, default=300)
     ap.add_argument("--distill-samples", type=int, default=3072)
     ap.add_argument("--distill-epochs", type=int, default=4)
@@ -392,8 +399,13 @@ def train(args, work: Path, train_files, heldout_files):
     seeded = lambda stage: torch.Generator().manual_seed(args.seed * 1000 + stage)  # noqa: E731
 
     llm = LlamaForCausalLM(llm_cfg)
-    train_lm(llm, data, args.llm_steps, 256, 16, 2.5e-3, seeded(1), work / "llm.ckpt", "LLM pretraining")
+    for k, steps in enumerate(args.llm_steps):
+        ckpt = work / ("llm.ckpt" if k == 0 else f"llm-cycle{k + 1}.ckpt")
+        train_lm(llm, data, steps, 256, 16, 2.5e-3 / 2**k, seeded(1 if k == 0 else 10 + k), ckpt,
+                 f"LLM pretraining, cycle {k + 1}/{len(args.llm_steps)}")
     save(llm, tokenizer, args.out / "llm")
+    work = work / ("after-llm-" + "-".join(map(str, args.llm_steps)))  # what follows depends on this LLM
+    work.mkdir(exist_ok=True)
 
     # the SSMs' base: the LLM's embedding, first layer and final norm, pretrained further on its own
     base = truncated(llm, ssm_cfg)
