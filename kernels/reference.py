@@ -5,7 +5,9 @@ The whole batch at once: gather every request's keys and values through its bloc
 padded [B, max_seq_len] layout, scatter the flat queries into [B, max_queries], build the mask
 from the batch's causal limits and tree bits (padding keys hidden; padding query rows see key 0 so
 that nothing is NaN; the padding queries of a batch with a Capacity get zeros), and make one call
-to PyTorch's scaled_dot_product_attention (GQA by `enable_gqa`, no K/V copies per head). The ops dispatched do not depend on the batch size.
+to PyTorch's scaled_dot_product_attention (GQA by `enable_gqa`, no K/V copies per head). The index
+and mask tensors are built once per batch and shared by all layers. The ops dispatched do not
+depend on the batch size.
 """
 
 from __future__ import annotations
