@@ -3,10 +3,11 @@
 On the held-out prompts with the shipped models (or --llm/--ssm), one request at a time:
 transformers' incremental generate (the baseline), transformers' assisted generation with SSM 0
 (at its default and at each fixed number of assistant tokens, the best one reported as such), and
-ours in-process (incremental, sequence, tree configs, merged), greedy and at T=0.8; then ours
-through the services at several concurrencies with speculation on and off; then the tree-shape
-search. Every greedy output is checked identical to transformers' incremental generate before any
-figure is reported. Writes <out>.json, <out>.md and <out>.png.
+ours in-process (incremental, sequence, tree configs and the tree-shape search's pick, merged),
+greedy and at T=0.8; then ours through the services at several concurrencies with speculation on
+and off. The tree-shape search runs first, on rank acceptance and step costs measured here. Every
+greedy output is checked identical to transformers' incremental generate before any figure is
+reported. Writes <out>.json, <out>.md and <out>.png.
 
     specinfer bench --quick                      # under a minute on a 2-core CPU
     specinfer bench --out bench/results/bench_cpu
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from specinfer.checkpoints import default_ssms, models_dir
+from specinfer.generate import Mode
 from specinfer.model import LlamaModel
 from specinfer.tree import tree_size
 
@@ -69,6 +71,10 @@ def main(args) -> int:
 
     llm, ssms = LlamaModel.from_pretrained(llm_dir), [LlamaModel.from_pretrained(d) for d in ssm_dirs]
     configs = [c for c in inprocess.CONFIGS if not args.quick or c[0] in inprocess.QUICK]
+    found = search_tree(llm_dir, ssm_dirs[0], prompts, reference, llm_hf, ssm_hf)
+    picked = found["best"]["expansion"]
+    if picked and not any(mode == Mode.TREE and e == picked for _, mode, e in configs):
+        configs.append((f"ours tree <{','.join(map(str, picked))}> (search's pick)", Mode.TREE, picked))
     ks = [2, 4] if args.quick else [1, 2, 3, 4, 6, 8]
     temperatures = [0.0] if args.quick else [0.0, 0.8]
     steps = len(temperatures) * (2 + len(ks) + len(configs))
@@ -103,7 +109,6 @@ def main(args) -> int:
         short = [r[:32] for r in reference[:4]]
         services_rows = measure(llm_dir, ssm_dirs, prompts, short, svc_configs, levels,
                                 requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
-    found = search_tree(llm_dir, ssm_dirs[0], prompts, reference, llm_hf, ssm_hf)
     for r in single:
         if r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]:
             expansion = next(e for label, _, e in configs if label == r["config"])

@@ -70,6 +70,8 @@ def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
     tree = rows["ours tree <1,1,3,1,1,1,1,1>"]
     assert tree["tokens_per_step"] > 1.0 and len(tree["acceptance_by_depth"]) == 8
     assert sum(result["tree_search"]["rank_acceptance"]) <= 1.0 and result["tree_search"]["best"]["tokens_per_step"] >= 1.0
+    picked = ",".join(map(str, result["tree_search"]["best"]["expansion"]))
+    assert not picked or any(c.startswith(f"ours tree <{picked}>") for c in rows)  # the search's pick is measured
     assert out.with_suffix(".png").stat().st_size > 10_000 and "## Tree-shape search" in out.with_suffix(".md").read_text()
 
 
