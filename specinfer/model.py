@@ -155,8 +155,26 @@ class Dense(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
+        self.packed: torch.Tensor | None = None  # W in oneDNN's blocked layout (see `pack`)
+
+    def pack(self) -> None:
+        """On a CPU with oneDNN, in float32: also keep W in oneDNN's blocked layout and multiply by
+        that. For a wide output (the LM head, 256 x 8192 for the shipped models) MKL's product
+        streams W once per row at the 1-9 rows of a decoding step; oneDNN's is 2-3x faster there
+        and still faster at 512 rows on a 2-core AVX2 machine, and a row's result does not depend
+        on the other rows. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy
+        of W."""
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
+
+    def _apply(self, fn, recurse=True):
+        self.packed = None  # moved or cast: back to `weight` (pack again to pack the new one)
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = x @ self.weight
         return y + self.bias if self.bias is not None else y
 
@@ -281,6 +299,8 @@ class LlamaModel(nn.Module):
         model.inv_freq = inv_freq  # out of the meta device, so that the model can move
         model = model.to(device=device, dtype=dtype)
         model.inv_freq = inv_freq.to(device)  # float32 whatever the weights' dtype, as in HF
+        if model.lm_head is not None:
+            model.lm_head.pack()
         return model.eval().requires_grad_(False)
 
     def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE) -> KVPool:

@@ -126,3 +126,17 @@ def test_unsupported_checkpoint_is_refused_with_the_field_named(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type"):
         LlamaModel.from_pretrained(tmp_path)
+
+
+def test_lm_head_rows_do_not_depend_on_the_other_rows(tiny_pair):
+    """On this CPU the LM head multiplies by its oneDNN-packed weight (Dense.pack): a row's logits
+    are bit-identical whether the row goes alone or with others, and equal x @ W up to rounding."""
+    _, llm_dir, _ = tiny_pair
+    head = LlamaModel.from_pretrained(llm_dir).lm_head
+    assert (head.packed is not None) == torch.backends.mkldnn.is_available()
+    x = torch.randn(17, head.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    rows = head(x)
+    for i in range(len(x)):
+        assert torch.equal(head(x[i : i + 1])[0], rows[i])
+    torch.testing.assert_close(rows, x @ head.weight, atol=ATOL, rtol=0)
+    assert head.to(torch.float64).packed is None  # cast: back to the plain weight
