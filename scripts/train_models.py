@@ -346,8 +346,8 @@ def main():
     ap.add_argument("--llm-steps", type=lambda v: [int(x) for x in v.split(",")], default=[1200, 1300],
                     help="steps of each cosine cycle of LLM pretraining, comma-separated")
     ap.add_argument("--ssm-steps", type=int, default=300)
-    ap.add_argument("--distill-samples", type=int, default=3072)
-    ap.add_argument("--distill-epochs", type=int, default=4)
+    ap.add_argument("--distill-samples", type=int, default=8192)
+    ap.add_argument("--distill-epochs", type=int, default=6)
     ap.add_argument("--heldout-every", type=int, default=20)
     ap.add_argument("--eval-bytes", type=int, default=400_000, help="held-out text per group to measure")
     ap.add_argument("--evaluate-only", action="store_true", help="measure the models in --out, train nothing")
@@ -410,21 +410,23 @@ def train(args, work: Path, train_files, heldout_files):
     # the SSMs' base: the LLM's embedding, first layer and final norm, pretrained further on its own
     base = truncated(llm, ssm_cfg)
     train_lm(base, data, args.ssm_steps, 256, 16, 2e-3, seeded(2), work / "ssm-base.ckpt", "SSM base pretraining")
-    if (work / "distill.pt").exists():
-        seqs, top_ids, top_probs = torch.load(work / "distill.pt")
+    cached = work / f"distill-{args.distill_samples}.pt"
+    if cached.exists():
+        seqs, top_ids, top_probs = torch.load(cached)
     else:
         seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, 64, 64, 32, seeded(3))
-        torch.save((seqs, top_ids, top_probs), work / "distill.pt")
+        torch.save((seqs, top_ids, top_probs), cached)
     everywhere = torch.ones(seqs.shape, dtype=torch.float)
+    recipe = f"{args.distill_samples}x{args.distill_epochs}"  # the SSMs' checkpoints belong to their recipe
 
     ssm0 = truncated(base, ssm_cfg)
     distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
-            work / "ssm-0.ckpt", "SSM 0 distillation")
+            work / f"ssm-0-{recipe}.ckpt", "SSM 0 distillation")
     marked = agrees(ssm0, seqs, top_ids[..., 0])  # SpecInfer's "marked" samples: SSM 0 already right
 
     ssm1 = truncated(base, ssm_cfg)
     distill(ssm1, seqs, top_ids, top_probs, 1 - marked, args.distill_epochs, 32, 2e-3, seeded(5),
-            work / "ssm-1.ckpt", "SSM 1 boost-tuning")
+            work / f"ssm-1-{recipe}.ckpt", "SSM 1 boost-tuning")
     hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
