@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,11 @@ def cmd_serve(args) -> int:
 
     tls = [f"--tls-cert={args.tls_cert}", f"--tls-key={args.tls_key}", f"--tls-ca={args.tls_ca}",
            "--tls-client-auth" if args.tls_client_auth else "--no-tls-client-auth"]
+
+    def stop_starting(signum, _frame):  # SIGTERM before ready: launch() stops what it started, then we exit
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop_starting)  # serve_forever installs its own once ready
     system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
                     args.host, args.port, args.dtype, args.manager_arg,
                     ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,

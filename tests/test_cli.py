@@ -129,3 +129,35 @@ def test_serve_answers_generate_server_like_in_process_and_stops_every_process_o
     for pid in pids:  # every service process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def children(pid: int) -> dict[int, str]:
+    """pid -> command line of every live process whose parent is `pid` (from /proc)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            if entry.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out[int(entry)] = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_serve_stopped_while_starting_stops_the_services_it_already_started():
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(free_port()),
+                              "--http-port", "0"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("speculator_svc" in c for c in children(serve.pid).values()):  # the verifier is up
+            assert time.monotonic() < deadline and serve.poll() is None
+            time.sleep(0.05)
+        started = children(serve.pid)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    assert serve.returncode == 128 + signal.SIGTERM  # stopped before it was ready
+    assert any("verifier_svc" in c for c in started.values())
+    for pid in started:  # none is left running, orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
