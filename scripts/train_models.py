@@ -3,7 +3,7 @@
 Produces, in Hugging Face format (config.json, model.safetensors, tokenizer files):
   models/llm    the LLM (Llama architecture, 8 layers)
   models/ssm-0  SSM 0 (1 layer), distilled from the LLM's own outputs
-  models/ssm-1  SSM 1 (1 layer), boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
+  models/ssm-1  SSM 1 (1 layer), SSM 0 boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
 and models/heldout_prompts.jsonl: prompts cut from held-out files that no model saw.
 
 The corpus is every `*.py` of this interpreter's standard library and of the installed packages the
@@ -254,19 +254,28 @@ def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
 
 
 @torch.no_grad()
+def argmax_tokens(model, seqs) -> torch.Tensor:
+    """The model's most likely next token at every position of `seqs`."""
+    return torch.cat([model(input_ids=seqs[i : i + 64]).logits.argmax(-1) for i in range(0, len(seqs), 64)])
+
+
 def agrees(ssm, seqs, llm_top1) -> torch.Tensor:
     """1.0 where the SSM's argmax equals the LLM's argmax at the same position."""
-    out = []
-    for i in range(0, len(seqs), 64):
-        out.append(ssm(input_ids=seqs[i : i + 64]).logits.argmax(-1) == llm_top1[i : i + 64])
-    return torch.cat(out).float()
+    return (argmax_tokens(ssm, seqs) == llm_top1).float()
 
 
-def truncated(llm, cfg: LlamaConfig) -> LlamaForCausalLM:
-    """A model of `cfg` (the LLM's width, fewer layers) that starts from the LLM's embedding, its first
-    layers and its final norm."""
+def without(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The sparse distributions (ids, probs) [..., K] with `tokens` [...] removed and renormalized (a
+    distribution that holds nothing else keeps its shape and sums to 0)."""
+    rest = probs.float() * (ids != tokens[..., None])
+    return (rest / rest.sum(-1, keepdim=True).clamp(min=1e-12)).to(probs.dtype)
+
+
+def truncated(source, cfg: LlamaConfig) -> LlamaForCausalLM:
+    """A model of `cfg` (the source's width, as many layers or fewer) that starts from the source's
+    embedding, its first layers and its final norm: a copy when `cfg` is the source's."""
     model = LlamaForCausalLM(cfg)
-    missing = model.load_state_dict(llm.state_dict(), strict=False).missing_keys
+    missing = model.load_state_dict(source.state_dict(), strict=False).missing_keys
     assert not missing, missing
     return model
 
@@ -348,6 +357,7 @@ def main():
     ap.add_argument("--ssm-steps", type=int, default=300)
     ap.add_argument("--distill-samples", type=int, default=8192)
     ap.add_argument("--distill-epochs", type=int, default=6)
+    ap.add_argument("--boost-epochs", type=int, default=3, help="epochs of SSM 1's boost-tuning from SSM 0")
     ap.add_argument("--heldout-every", type=int, default=20)
     ap.add_argument("--eval-bytes", type=int, default=400_000, help="held-out text per group to measure")
     ap.add_argument("--evaluate-only", action="store_true", help="measure the models in --out, train nothing")
@@ -422,18 +432,21 @@ def train(args, work: Path, train_files, heldout_files):
     ssm0 = truncated(base, ssm_cfg)
     distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
             work / f"ssm-0-{recipe}.ckpt", "SSM 0 distillation")
-    marked = agrees(ssm0, seqs, top_ids[..., 0])  # SpecInfer's "marked" samples: SSM 0 already right
+    save(ssm0, tokenizer, args.out / "ssm-0")  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
+    guess0 = argmax_tokens(ssm0, seqs)
+    marked = (guess0 == top_ids[..., 0]).float()  # SpecInfer's "marked" samples: SSM 0 already right
 
-    ssm1 = truncated(base, ssm_cfg)
-    distill(ssm1, seqs, top_ids, top_probs, 1 - marked, args.distill_epochs, 32, 2e-3, seeded(5),
-            work / f"ssm-1-{recipe}.ckpt", "SSM 1 boost-tuning")
+    # Boost-tuning: SSM 1 starts from SSM 0 and is fine-tuned on the samples SSM 0 gets wrong, towards the
+    # LLM's distribution without SSM 0's guess there: a merged tree already holds that guess, so SSM 1 is
+    # worth most where it proposes the LLM's token among the others.
+    ssm1 = truncated(ssm0, ssm_cfg)
+    distill(ssm1, seqs, top_ids, without(top_ids, top_probs, guess0), 1 - marked, args.boost_epochs, 32, 2e-3,
+            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{args.boost_epochs}.ckpt", "SSM 1 boost-tuning")
     hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
           f"either {torch.maximum(marked, hit1).mean():.3f}")
-    save(ssm0, tokenizer, args.out / "ssm-0")
     save(ssm1, tokenizer, args.out / "ssm-1")
-
 
 if __name__ == "__main__":
     main()
