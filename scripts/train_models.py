@@ -448,5 +448,6 @@ def train(args, work: Path, train_files, heldout_files):
           f"either {torch.maximum(marked, hit1).mean():.3f}")
     save(ssm1, tokenizer, args.out / "ssm-1")
 
+
 if __name__ == "__main__":
     main()
