@@ -4,6 +4,8 @@ Produces, in Hugging Face format (config.json, model.safetensors, tokenizer file
   models/llm    the LLM (Llama architecture, 8 layers)
   models/ssm-0  SSM 0 (1 layer), distilled from the LLM's own outputs
   models/ssm-1  SSM 1 (1 layer), SSM 0 boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
+Each SSM directory also holds draft_vocab.json: the `--draft-vocab` tokens the training corpus uses
+most, the only tokens the SSM's LM head keeps when it drafts (specinfer.model.LlamaModel.restrict_vocab).
 and models/heldout_prompts.jsonl: prompts cut from held-out files that no model saw.
 
 The corpus is every `*.py` of this interpreter's standard library and of the installed packages the
@@ -46,6 +48,8 @@ from packaging.requirements import Requirement
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specinfer.model import DRAFT_VOCAB
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "test", "tests", "testing", "idle_test", "__pycache__", "lib2to3"}
@@ -254,14 +258,35 @@ def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
 
 
 @torch.no_grad()
-def argmax_tokens(model, seqs) -> torch.Tensor:
-    """The model's most likely next token at every position of `seqs`."""
-    return torch.cat([model(input_ids=seqs[i : i + 64]).logits.argmax(-1) for i in range(0, len(seqs), 64)])
+def argmax_tokens(model, seqs, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's most likely next token at every position of `seqs` (among the token ids `vocab` only,
+    when given: what a drafter with that draft vocabulary proposes)."""
+    mask = None
+    if vocab is not None:
+        mask = torch.full((model.config.vocab_size,), float("-inf"))
+        mask[vocab] = 0.0
+    out = []
+    for i in range(0, len(seqs), 64):
+        logits = model(input_ids=seqs[i : i + 64]).logits
+        out.append((logits if mask is None else logits + mask).argmax(-1))
+    return torch.cat(out)
 
 
-def agrees(ssm, seqs, llm_top1) -> torch.Tensor:
-    """1.0 where the SSM's argmax equals the LLM's argmax at the same position."""
-    return (argmax_tokens(ssm, seqs) == llm_top1).float()
+def agrees(ssm, seqs, llm_top1, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """1.0 where the SSM's argmax (within `vocab`, when given) equals the LLM's argmax at the same position."""
+    return (argmax_tokens(ssm, seqs, vocab) == llm_top1).float()
+
+
+def frequent_tokens(data: torch.Tensor, k: int, vocab_size: int) -> list[int]:
+    """The k token ids that occur most often in `data`, in increasing order (a draft vocabulary)."""
+    counts = torch.bincount(data.long(), minlength=vocab_size)
+    return sorted(counts.argsort(descending=True, stable=True)[:k].tolist())
+
+
+def draft_vocab(path: Path) -> torch.Tensor | None:
+    """The draft vocabulary a checkpoint directory declares, if any."""
+    f = path / DRAFT_VOCAB
+    return torch.tensor(json.loads(f.read_text())["token_ids"]) if f.exists() else None
 
 
 def without(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -280,11 +305,15 @@ def truncated(source, cfg: LlamaConfig) -> LlamaForCausalLM:
     return model
 
 
-def save(model, tokenizer, path: Path):
+def save(model, tokenizer, path: Path, vocab: list[int] | None = None):
+    """The model rounded to bf16 (in place, so that what follows uses what ships), its tokenizer and,
+    for a drafter, its draft vocabulary."""
     path.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
     model.float()
     tokenizer.save_pretrained(path)
+    if vocab is not None:
+        (path / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}) + "\n")
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -331,10 +360,15 @@ def evaluate(out: Path, heldout: list[tuple[str, Path]], eval_bytes: int, new_to
         seq = continuations(models_["llm"], ids, new_tokens, False, torch.Generator().manual_seed(seed))
         greedy.append(seq)
         top1.append(models_["llm"](input_ids=seq).logits.argmax(-1))
-    hits = {}
+    hits, vocabs = {}, {n: draft_vocab(out / n) for n in ("ssm-0", "ssm-1")}
     for n in ("ssm-0", "ssm-1"):
-        # positions whose next token is a generated one: from the prompt's last token on
-        hits[n] = torch.cat([agrees(models_[n], s, t)[0, -new_tokens - 1 : -1] for s, t in zip(greedy, top1)])
+        # positions whose next token is a generated one: from the prompt's last token on; the SSM
+        # proposes from its draft vocabulary, as it does when it drafts
+        hits[n] = torch.cat([agrees(models_[n], s, t, vocabs[n])[0, -new_tokens - 1 : -1] for s, t in zip(greedy, top1)])
+    report["draft_vocab"] = {n: None if v is None else len(v) for n, v in vocabs.items()}
+    if vocabs["ssm-0"] is not None:
+        llm_next = torch.cat([t[0, -new_tokens - 1 : -1] for t in top1])
+        report["llm_greedy_in_draft_vocab"] = round(torch.isin(llm_next, vocabs["ssm-0"]).float().mean().item(), 4)
     report["agreement_ssm-0"] = round(hits["ssm-0"].mean().item(), 4)
     report["agreement_ssm-1"] = round(hits["ssm-1"].mean().item(), 4)
     report["agreement_merged"] = round(torch.maximum(hits["ssm-0"], hits["ssm-1"]).mean().item(), 4)
@@ -358,6 +392,8 @@ def main():
     ap.add_argument("--distill-samples", type=int, default=8192)
     ap.add_argument("--distill-epochs", type=int, default=6)
     ap.add_argument("--boost-epochs", type=int, default=3, help="epochs of SSM 1's boost-tuning from SSM 0")
+    ap.add_argument("--draft-vocab", type=int, default=2048,
+                    help="tokens the SSMs draft from: the corpus's most frequent (the vocabulary size: all)")
     ap.add_argument("--heldout-every", type=int, default=20)
     ap.add_argument("--eval-bytes", type=int, default=400_000, help="held-out text per group to measure")
     ap.add_argument("--evaluate-only", action="store_true", help="measure the models in --out, train nothing")
@@ -392,6 +428,7 @@ def train(args, work: Path, train_files, heldout_files):
         torch.save(tokenize(tokenizer, [p for _, p in train_files], eos), work / "train_tokens.pt")
     data = torch.load(work / "train_tokens.pt")
     print(f"train tokens: {data.numel():,}")
+    vocab = frequent_tokens(data, args.draft_vocab, len(tokenizer)) if args.draft_vocab < len(tokenizer) else None
 
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = heldout_prompts(heldout_files, 32, random.Random(args.seed))
@@ -432,7 +469,7 @@ def train(args, work: Path, train_files, heldout_files):
     ssm0 = truncated(base, ssm_cfg)
     distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
             work / f"ssm-0-{recipe}.ckpt", "SSM 0 distillation")
-    save(ssm0, tokenizer, args.out / "ssm-0")  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
+    save(ssm0, tokenizer, args.out / "ssm-0", vocab)  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
     guess0 = argmax_tokens(ssm0, seqs)
     marked = (guess0 == top_ids[..., 0]).float()  # SpecInfer's "marked" samples: SSM 0 already right
 
@@ -446,7 +483,7 @@ def train(args, work: Path, train_files, heldout_files):
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
           f"either {torch.maximum(marked, hit1).mean():.3f}")
-    save(ssm1, tokenizer, args.out / "ssm-1")
+    save(ssm1, tokenizer, args.out / "ssm-1", vocab)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from specinfer_kernels.batch import Fields
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
+DRAFT_VOCAB = "draft_vocab.json"  # an SSM checkpoint's draft vocabulary (see `LlamaModel.restrict_vocab`)
 
 
 def check_token_ids(field: str, ids, vocab_size: int) -> None:
@@ -273,6 +274,24 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None  # a transposed copy when tied
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("vocab_ids", None, persistent=False)  # the LM head's tokens, when restricted
+
+    def restrict_vocab(self, token_ids: list[int]) -> None:
+        """Keep only `token_ids` in the LM head: logits of every other token are -inf from now on.
+        For a drafter (FR-Spec's frequency-ranked drafting): the shipped SSMs' 256 x 8192 head is
+        most of the weights a draft level streams, and the 2048 tokens the training corpus uses most
+        cover over 99% of the shipped LLM's greedy tokens on held-out prompts. Outputs stay exact:
+        the verifier checks whatever the SSM proposes, and a draw's q is the restricted distribution,
+        so speculative sampling stays exact too."""
+        ids = sorted(set(token_ids))
+        check_token_ids("token_ids", ids, self.cfg.vocab_size)
+        if not ids:
+            raise ValueError("token_ids: must not be empty")
+        head = self.lm_head
+        self.vocab_ids = torch.tensor(ids, device=head.weight.device)
+        self.lm_head = Dense(head.weight.shape[0], len(ids), bias=False)
+        self.lm_head.weight = nn.Parameter(head.weight[:, self.vocab_ids].contiguous(), requires_grad=False)
+        self.lm_head.pack()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -285,8 +304,20 @@ class LlamaModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "LlamaModel":
+        """A checkpoint directory's model; with a draft vocabulary file (DRAFT_VOCAB, {"token_ids":
+        [...]}) beside the weights, its LM head restricted to those tokens (`restrict_vocab`)."""
         cfg = ModelConfig.from_dir(path)
-        return cls.from_weights(cfg, read_weights(path), dtype, device)
+        model = cls.from_weights(cfg, read_weights(path), dtype, device)
+        vocab = Path(path) / DRAFT_VOCAB
+        if vocab.exists():
+            ids = json.loads(vocab.read_text()).get("token_ids")
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"{vocab}: token_ids: must be a list of token ids")
+            try:
+                model.restrict_vocab(ids)
+            except ValueError as e:
+                raise ValueError(f"{vocab}: {e}") from None
+        return model
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -369,8 +400,12 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """[R, V] float32 logits of the wanted rows, on the device."""
-        return self.lm_head(self.norm(x[step.wanted])[0]).float()
+        """[R, V] float32 logits of the wanted rows, on the device (-inf outside a restricted vocabulary)."""
+        logits = self.lm_head(self.norm(x[step.wanted])[0]).float()
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab_ids, logits)
 
 
 def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:

@@ -3,6 +3,8 @@
 lengths; plus the edge cases of a step: empty tree, one node, EOS or max_new_tokens inside an
 accepted path."""
 
+import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -11,8 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specinfer.generate import Engine, Mode, Request, validate
 from specinfer.graphs import GraphConfig
-from specinfer.model import LlamaModel
+from specinfer.model import DRAFT_VOCAB, LlamaModel
 from specinfer.sampling import SamplingParams
+from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 
@@ -159,3 +162,19 @@ def test_never_more_tokens_than_asked_even_mid_path(oracle, max_new_tokens):
 def test_bad_requests_are_refused_naming_the_field(field, request_):
     with pytest.raises(ValueError, match=f"^{field}:"):
         validate(request_, vocab_size=64, context=512)
+
+
+def test_drafts_from_a_draft_vocabulary_keep_the_output_exact(tiny_pair, tmp_path):
+    """The LLM as its own SSM, drafting from half its vocabulary: every draft node is in the draft
+    vocabulary, drafts on the greedy path are accepted, and the output is still the LLM's own."""
+    hf, llm_dir, _ = tiny_pair
+    keep = set(range(0, 64, 2))
+    shutil.copytree(llm_dir, tmp_path / "drafter")
+    (tmp_path / "drafter" / DRAFT_VOCAB).write_text(json.dumps({"token_ids": sorted(keep)}))
+    llm, drafter = LlamaModel.from_pretrained(llm_dir), LlamaModel.from_pretrained(tmp_path / "drafter")
+    prompt = [7, 1, 30, 12]
+    trees = Speculator(drafter).draft([DraftRequest("a", prompt, [2, 2, 1])])
+    assert trees[0].tokens and set(trees[0].tokens) <= keep
+    gen = Engine(llm, [drafter], Mode.TREE, [2, 2, 1]).generate([Request(prompt, 40)])[0]
+    assert gen.token_ids == hf_greedy(hf, prompt, 40)
+    assert sum(gen.accepted) > 0

@@ -15,6 +15,7 @@ Two kinds of model:
 from __future__ import annotations
 
 import itertools
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +26,7 @@ from specinfer import verify as verify_module
 from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig
 from specinfer.kv_cache import KVPool
-from specinfer.model import LlamaModel
+from specinfer.model import DRAFT_VOCAB, LlamaModel
 from specinfer.sampling import SamplingParams, probabilities
 
 from .conftest import save_random_llama
@@ -158,11 +159,15 @@ def test_same_seed_same_tokens_whatever_the_batch():
 
 @pytest.fixture(scope="module")
 def tiny_vocab(tmp_path_factory):
+    """(HF LLM, LLM, SSMs, the same SSMs drafting from a draft vocabulary of 4 of the 6 tokens)."""
     root = tmp_path_factory.mktemp("vocab6")
     hf = save_random_llama(root / "llm", 10, vocab=6, hidden=32, logit_scale=40.0)
     for i in range(2):
-        save_random_llama(root / f"ssm-{i}", 11 + i, vocab=6, hidden=16, layers=1, logit_scale=40.0)
-    return hf, LlamaModel.from_pretrained(root / "llm"), [LlamaModel.from_pretrained(root / f"ssm-{i}") for i in range(2)]
+        for name in (f"ssm-{i}", f"drafting-ssm-{i}"):
+            save_random_llama(root / name, 11 + i, vocab=6, hidden=16, layers=1, logit_scale=40.0)
+        (root / f"drafting-ssm-{i}" / DRAFT_VOCAB).write_text(json.dumps({"token_ids": [0, 2, 3, 5]}))
+    load = lambda name: LlamaModel.from_pretrained(root / name)  # noqa: E731
+    return hf, load("llm"), [load(f"ssm-{i}") for i in range(2)], [load(f"drafting-ssm-{i}") for i in range(2)]
 
 
 def llama_exact(hf, prompt: list[int], params: SamplingParams, keep: int) -> dict:
@@ -189,11 +194,14 @@ def llama_exact(hf, prompt: list[int], params: SamplingParams, keep: int) -> dic
 STATIC = GraphConfig(mode="static", max_tokens=65536, max_batch=4096, max_tree=32, max_context=32)
 
 
-@pytest.mark.parametrize("mode,replacement,graphs", [(Mode.TREE, True, GraphConfig()), (Mode.TREE, False, GraphConfig()),
-                                                     (Mode.MERGED, False, GraphConfig()), (Mode.MERGED, False, STATIC)],
-                         ids=["tree-replacement", "tree", "merged", "merged-static-buffers"])
-def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement, graphs):
-    hf, llm, ssms = tiny_vocab
+@pytest.mark.parametrize("mode,replacement,graphs,drafting", [
+    (Mode.TREE, True, GraphConfig(), False), (Mode.TREE, False, GraphConfig(), False),
+    (Mode.MERGED, False, GraphConfig(), False), (Mode.MERGED, False, STATIC, False), (Mode.MERGED, False, GraphConfig(), True)],
+    ids=["tree-replacement", "tree", "merged", "merged-static-buffers", "merged-draft-vocabulary"])
+def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement, graphs, drafting):
+    """Drafting from a draft vocabulary too: q is zero outside it, the LLM's law is unchanged."""
+    hf, llm, ssms, drafting_ssms = tiny_vocab
+    ssms = drafting_ssms if drafting else ssms
     params = SamplingParams(temperature=0.9)
     prompt = [1, 4, 2]
     gens = run(llm, ssms, mode, [2, 2], params, n=3000, replacement=replacement, prompt=prompt, new_tokens=4,

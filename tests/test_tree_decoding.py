@@ -1,13 +1,15 @@
 """Tree-based parallel decoding: one forward over a ragged batch of trees gives, for every node u,
 the logits Hugging Face's own model gives for plain causal decoding of prefix + S_u."""
 
+import json
 import random
+import shutil
 
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specinfer.model import LlamaModel, StepInput
+from specinfer.model import DRAFT_VOCAB, LlamaModel, StepInput
 from specinfer.tree import TokenTree, dfs_order, reorder
 
 from .conftest import path_to, save_random_llama
@@ -140,3 +142,38 @@ def test_lm_head_rows_do_not_depend_on_the_other_rows(tiny_pair):
         assert torch.equal(head(x[i : i + 1])[0], rows[i])
     torch.testing.assert_close(rows, x @ head.weight, atol=ATOL, rtol=0)
     assert head.to(torch.float64).packed is None  # cast: back to the plain weight
+
+
+def draft_vocab_dir(tmp_path, llm_dir, content: str):
+    """A copy of the checkpoint at llm_dir with a draft vocabulary file holding `content`."""
+    shutil.copytree(llm_dir, tmp_path / "drafter")
+    (tmp_path / "drafter" / DRAFT_VOCAB).write_text(content)
+    return tmp_path / "drafter"
+
+
+def test_draft_vocabulary_keeps_its_tokens_logits_and_hides_the_rest(tiny_pair, tmp_path):
+    """A checkpoint with a draft vocabulary: the full model's logits on its tokens, -inf elsewhere."""
+    _, llm_dir, _ = tiny_pair
+    keep = list(range(0, 64, 3))
+    full = LlamaModel.from_pretrained(llm_dir)
+    drafter = LlamaModel.from_pretrained(draft_vocab_dir(tmp_path, llm_dir, json.dumps({"token_ids": keep})))
+    assert drafter.lm_head.weight.shape == (full.cfg.hidden_size, len(keep))
+    rng = random.Random(0)
+    tree = SHAPES["random"](rng, 64)
+    prefix = [rng.randrange(64) for _ in range(9)]
+    want, got = (m([StepInput(m.new_pool(512).new_cache(), prefix, tree.tokens, tree.parents)]) for m in (full, drafter))
+    hidden = torch.ones(64, dtype=torch.bool)
+    hidden[keep] = False
+    torch.testing.assert_close(got[:, keep], want[:, keep], atol=ATOL, rtol=0)
+    assert torch.isneginf(got[:, hidden]).all()
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"token_ids": [1, 64]}', "token id 64 is outside the vocabulary"),
+    ('{"token_ids": []}', "must not be empty"),
+    ('{"ids": [1, 2]}', "must be a list of token ids"),
+])
+def test_bad_draft_vocabulary_is_refused_naming_the_file(tiny_pair, tmp_path, content, match):
+    _, llm_dir, _ = tiny_pair
+    with pytest.raises(ValueError, match=f"{DRAFT_VOCAB}: token_ids: {match}"):
+        LlamaModel.from_pretrained(draft_vocab_dir(tmp_path, llm_dir, content))
