@@ -95,11 +95,11 @@ def to_device(fields: Fields, device: torch.device | str, out: torch.Tensor | No
             raise ValueError(f"static buffer: {len(flat)} values do not fit {out.numel()}")
         buf = out[: len(flat)]
         buf.copy_(host, non_blocking=True)
-    views, at = {}, 0
-    for name, (values, shape) in fields.items():
+    parts = buf.split([len(values) for values, _ in fields.values()])  # one op for every field's view
+    views = {}
+    for part, (name, (values, shape)) in zip(parts, fields.items()):
         assert len(values) == math.prod(shape), (name, len(values), shape)
-        views[name] = buf[at: at + len(values)].view(shape)
-        at += len(values)
+        views[name] = part.view(shape)
     return views
 
 
@@ -225,8 +225,9 @@ class TreeBatch:
         req = self.query_requests[:, None]
         t = keys - self.tree_starts[req]  # tree slot of key j
         in_tree = (t >= 0) & (keys < self.seq_lens[req])
-        word = self.tree_bits.gather(1, (t.clamp(min=0) >> 5).clamp(max=self.tree_bits.shape[1] - 1).long())
-        bit = ((word >> (t.clamp(min=0) & 31)) & 1).bool()
+        t = t.clamp(min=0)
+        word = self.tree_bits.gather(1, (t >> 5).clamp(max=self.tree_bits.shape[1] - 1).long())
+        bit = ((word >> (t & 31)) & 1).bool()
         return (keys < self.causal[:, None]) | (in_tree & bit)
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -118,7 +118,9 @@ class Speculator:
             kmax = children[0].shape[1]
             picks = [ri * kmax + j for ri, (row, kr) in enumerate(zip(rows, k))
                      if depth + 1 < len(batch[row.request].expansion) for j in range(kr)]
-            ids = children[0].flatten()[torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)]
+            drawn_ids = children[0].flatten()
+            ids = drawn_ids if len(picks) == drawn_ids.numel() else \
+                drawn_ids[torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)]
             items = [StepInput(caches[r], [], [0] * len(grown[r]), grown[r]) for r in dict.fromkeys(x.request for x in nxt)]
             rows, depth = nxt, depth + 1
         return self._finish(batch, caches, levels)
@@ -130,36 +132,37 @@ class Speculator:
         dev = logits.device
         to = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
         R, kmax = len(rows), max(k)
-        tokens = torch.zeros(R, kmax, dtype=torch.long, device=dev)
         drawn = torch.ones(R, kmax, dtype=torch.bool, device=dev)
         greedy = [i for i, row in enumerate(rows) if keys[row.request] is None]
         sampled = [i for i, row in enumerate(rows) if keys[row.request] is not None]
+        q_ids = q_probs = torch.zeros(0, self.q_top, device=dev)
+        if not sampled:  # every row greedy: its top kmax, no indexing
+            return logits.topk(kmax, dim=-1).indices, drawn, q_ids, q_probs
+        tokens = torch.zeros(R, kmax, dtype=torch.long, device=dev)
         if greedy:
             g = to(greedy)
             tokens[g] = logits[g].topk(kmax, dim=-1).indices
-        q_ids = q_probs = torch.zeros(0, self.q_top, device=dev)
-        if sampled:
-            s = to(sampled)
-            q_ids, q_probs = sparsify(probabilities(logits[s], [batch[rows[i].request].sampling for i in sampled]),
-                                      self.q_top)  # [S, K]
-            key = to([keys[rows[i].request] for i in sampled])[:, None]
-            index = to([rows[i].index for i in sampled])[:, None]
-            n = q_probs.shape[1]
-            q = q_probs.double()
-            u = uniform(key, depth, index, torch.arange(n + kmax, device=dev))  # [S, n + kmax]
-            # without replacement: the top kmax of log q + Gumbel noise, in order (Plackett-Luce)
-            ordered = (q.log() - torch.log(-torch.log(u[:, :n]))).topk(min(kmax, n), dim=-1).indices
-            if n < kmax:
-                ordered = torch.cat([ordered, ordered[:, :1].expand(-1, kmax - n)], dim=1)
-            # with replacement: kmax inverse-CDF draws
-            iid = torch.searchsorted(q.cumsum(-1), u[:, n:] * q.sum(-1, keepdim=True)).clamp(max=n - 1)
-            replace = to([batch[rows[i].request].replacement for i in sampled], torch.bool)[:, None]
-            pos = torch.where(replace, iid, ordered)
-            tokens[s] = q_ids.gather(1, pos)
-            valid = q_probs.gather(1, pos) > 0
-            if n < kmax:
-                valid &= replace | (torch.arange(kmax, device=dev) < n)
-            drawn[s] = valid
+        s = to(sampled)
+        q_ids, q_probs = sparsify(probabilities(logits[s], [batch[rows[i].request].sampling for i in sampled]),
+                                  self.q_top)  # [S, K]
+        key = to([keys[rows[i].request] for i in sampled])[:, None]
+        index = to([rows[i].index for i in sampled])[:, None]
+        n = q_probs.shape[1]
+        q = q_probs.double()
+        u = uniform(key, depth, index, torch.arange(n + kmax, device=dev))  # [S, n + kmax]
+        # without replacement: the top kmax of log q + Gumbel noise, in order (Plackett-Luce)
+        ordered = (q.log() - torch.log(-torch.log(u[:, :n]))).topk(min(kmax, n), dim=-1).indices
+        if n < kmax:
+            ordered = torch.cat([ordered, ordered[:, :1].expand(-1, kmax - n)], dim=1)
+        # with replacement: kmax inverse-CDF draws
+        iid = torch.searchsorted(q.cumsum(-1), u[:, n:] * q.sum(-1, keepdim=True)).clamp(max=n - 1)
+        replace = to([batch[rows[i].request].replacement for i in sampled], torch.bool)[:, None]
+        pos = torch.where(replace, iid, ordered)
+        tokens[s] = q_ids.gather(1, pos)
+        valid = q_probs.gather(1, pos) > 0
+        if n < kmax:
+            valid &= replace | (torch.arange(kmax, device=dev) < n)
+        drawn[s] = valid
         return tokens, drawn, q_ids, q_probs
 
     def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list) -> list[TokenTree]:

@@ -56,12 +56,17 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
     dev = logits.device
     greedy = [b for b, s in enumerate(sampling) if s.greedy]
     sampled = [b for b, s in enumerate(sampling) if not s.greedy]
-    out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev)  # [B, bonus + accepted flags]
-    for part, rule in ((greedy, _greedy), (sampled, _stochastic)):
-        if part:
-            table = _Table.build([trees[b] for b in part], [row_starts[b] for b in part], n, dev)
-            keys = [stream_key(sampling[b].seed, "verify", positions[b]) for b in part]
-            out[torch.tensor(part).to(dev, non_blocking=True)] = rule(table, logits, [sampling[b] for b in part], keys)
+    rules = [(part, rule) for part, rule in ((greedy, _greedy), (sampled, _stochastic)) if part]
+    # [B, bonus + accepted flags]; when the whole batch follows one rule, that rule's output as it is
+    out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev) if len(rules) != 1 else None
+    for part, rule in rules:
+        table = _Table.build([trees[b] for b in part], [row_starts[b] for b in part], n, dev)
+        keys = [stream_key(sampling[b].seed, "verify", positions[b]) for b in part]
+        decided = rule(table, logits, [sampling[b] for b in part], keys)
+        if out is None:
+            out = decided
+        else:
+            out[torch.tensor(part).to(dev, non_blocking=True)] = decided
     verdicts = []
     for tree, row in zip(trees, out.cpu().tolist()):  # the step's one synchronization
         path = [u for u in range(len(tree)) if row[1 + u]]  # a chain, so index order is root first

@@ -177,3 +177,17 @@ def test_bad_draft_vocabulary_is_refused_naming_the_file(tiny_pair, tmp_path, co
     _, llm_dir, _ = tiny_pair
     with pytest.raises(ValueError, match=f"{DRAFT_VOCAB}: token_ids: {match}"):
         LlamaModel.from_pretrained(draft_vocab_dir(tmp_path, llm_dir, content))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
+def test_projections_are_x_times_w_at_every_row_count(tiny_pair, rows):
+    """A layer's projections multiply 2-8 row inputs by their transposed copy (Dense.transpose), others
+    by W itself: every row count gives x @ W up to rounding."""
+    _, llm_dir, _ = tiny_pair
+    dense = LlamaModel.from_pretrained(llm_dir).layers[0].gate_up
+    assert dense.transposed is not None
+    x = torch.randn(rows, dense.weight.shape[0], generator=torch.Generator().manual_seed(rows))
+    y = dense(x)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, x @ dense.weight, atol=ATOL, rtol=0)
+    assert dense.to(torch.float64).transposed is None  # cast: back to the plain weight
