@@ -145,17 +145,22 @@ def markdown(result: dict) -> str:
     found = result["tree_search"]
     lines += ["", "## Tree-shape search", "", "Rank acceptance p[r] (LLM's greedy token = SSM's r-th token): "
               + ", ".join(f"{x:.3f}" for x in found["rank_acceptance"]), "",
-              "Cost model (ms, batch 1): " + ", ".join(f"{k} {v:.3f}" for k, v in found["cost_model_ms"].items()), "",
+              f"Cost model (ms, batch 1; rows: ms): {cost_text(found['cost_model_ms'])}", "",
               "| expansion | expected tokens/step | modelled step ms | tokens per ms |", "| --- | --- | --- | --- |"]
     lines += [f"| {','.join(map(str, r['expansion'])) or 'none'} | {r['tokens_per_step']:.2f} | {r['step_ms']:.1f} "
               f"| {r['tokens_per_ms']:.3f} |" for r in found["top"]]
     return "\n".join(lines) + "\n"
 
 
+def cost_text(cost: dict) -> str:
+    return "; ".join(f"{part} " + ", ".join(f"{rows}: {ms:.2f}" for rows, ms in table.items())
+                     for part, table in cost.items())
+
+
 def print_search(found: dict) -> None:
     best = found["best"]
     print("rank acceptance:", ", ".join(f"{x:.3f}" for x in found["rank_acceptance"]))
-    print("cost model (ms):", ", ".join(f"{k}={v:.3f}" for k, v in found["cost_model_ms"].items()))
+    print("cost model (ms, rows: ms):", cost_text(found["cost_model_ms"]))
     for r in found["top"]:
         print(f"  {','.join(map(str, r['expansion'])) or 'none':<20} {r['tokens_per_step']:.2f} tokens/step  "
               f"{r['step_ms']:.1f} ms  {r['tokens_per_ms']:.3f} tokens/ms")

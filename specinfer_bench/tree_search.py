@@ -10,13 +10,18 @@ for <k_1, ..., k_m>, with S(k) = p[1] + ... + p[k]:
     E[tokens per step] = 1 + sum_{d=1..m} prod_{i=1..d} S(k_i)
 
 Cost model (measured on this machine at batch 1): a step costs the verifier's forward over
-1 + n rows (n tree nodes) plus one SSM forward per tree level over that level's parents:
+1 + n rows (n tree nodes) plus one SSM forward per tree level over that level's parents,
 
-    cost = v0 + v1 * (1 + n) + sum_{d=1..m} (s0 + s1 * width_{d-1})
+    cost = verify(1 + n) + sum_{d=1..m} draft(width_{d-1})
+
+with verify and draft timed at a grid of row counts and linearly interpolated between them: on a
+CPU a product's cost is not linear in its rows (Dense.transpose serves 2-8 rows faster than MKL
+serves 9), so a straight line through few sizes would misjudge the small trees.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -54,29 +59,33 @@ def rank_acceptance(llm, ssm, sequences: list[list[int]], starts: list[int], max
 
 @dataclass
 class CostModel:
-    v0: float  # ms per verifier step
-    v1: float  # ms per verified row
-    s0: float  # ms per SSM level
-    s1: float  # ms per parent row in a level
+    verify: dict[int, float]  # rows in a verifier step (bonus + tree nodes) -> ms
+    draft: dict[int, float]  # rows in an SSM level (its parents) -> ms
 
     def step_ms(self, expansion: list[int]) -> float:
-        cost, width = self.v0 + self.v1 * (1 + tree_size(expansion)), 1
+        cost, width = interpolate(self.verify, 1 + tree_size(expansion)), 1
         for k in expansion:
-            cost += self.s0 + self.s1 * width
+            cost += interpolate(self.draft, width)
             width *= k
         return cost
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line: (intercept, slope)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-12)
-    return my - slope * mx, slope
+def interpolate(points: dict[int, float], x: int) -> float:
+    """points (size -> ms) at x: linear between the nearest measured sizes, and along the last two
+    (first two) beyond the largest (smallest)."""
+    xs = sorted(points)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    (x0, x1), (y0, y1) = (xs[i - 1], xs[i]), (points[xs[i - 1]], points[xs[i]])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33, 65)
+DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 16)
 
 
 def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: int = 15) -> CostModel:
-    """Fit the cost model from timed forwards at batch 1 after `prompt`: the LLM over the bonus
-    token plus a tree of 0..64 nodes, the SSM over one tree level of 1..16 rows."""
+    """Time forwards at batch 1 after `prompt`: the LLM over the bonus token plus a tree of
+    0..64 nodes, the SSM over one tree level of 1..16 rows."""
     def timed(model: LlamaModel, n_new: int, n_tree: int) -> float:
         cache = model.new_pool(len(prompt) + 80).new_cache()
         model([StepInput(cache, prompt[:-1], [], [])])
@@ -88,11 +97,7 @@ def measure_costs(llm: LlamaModel, ssm: LlamaModel, prompt: list[int], repeats: 
             cache.drop_tree()
         return median_ms(forward, repeats)
 
-    rows = [1 + n for n in (0, 4, 16, 32, 64)]
-    v0, v1 = _fit(rows, [timed(llm, 1, r - 1) for r in rows])
-    widths = [1, 4, 16]
-    s0, s1 = _fit(widths, [timed(ssm, 0, w) for w in widths])
-    return CostModel(v0, v1, s0, s1)
+    return CostModel({r: timed(llm, 1, r - 1) for r in VERIFY_ROWS}, {w: timed(ssm, 0, w) for w in DRAFT_ROWS})
 
 
 def search(p: list[float], cost: CostModel, max_depth: int = 8, max_width: int = 4,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, rank_acceptance, search
+from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
 from .conftest import ROOT
 
@@ -40,14 +40,21 @@ def test_expected_tokens_per_step_matches_simulation(expansion):
 
 def test_search_ranks_by_tokens_per_cost_and_respects_the_limits():
     p = [0.6, 0.2, 0.1, 0.05]
-    free_ssm = CostModel(v0=10.0, v1=0.0, s0=0.0, s1=0.0)  # trees cost nothing: the biggest allowed wins
+    free_ssm = CostModel({1: 10.0, 65: 10.0}, {1: 0.0, 16: 0.0})  # trees cost nothing: the biggest allowed wins
     best = search(p, free_ssm, max_depth=3, max_width=2, max_nodes=64)[0]
     assert best["expansion"] == [2, 2, 2]
-    costly_ssm = CostModel(v0=10.0, v1=0.1, s0=30.0, s1=1.0)  # an SSM level costs 3 steps: none wins
+    costly_ssm = CostModel({1: 10.1, 65: 16.5}, {1: 31.0, 16: 46.0})  # an SSM level costs 3 steps: none wins
     ranked = search(p, costly_ssm)
     assert ranked[0]["expansion"] == []
     assert all(a["tokens_per_ms"] >= b["tokens_per_ms"] for a, b in zip(ranked, ranked[1:]))
     assert all(list(r["expansion"]) == sorted(r["expansion"], reverse=True) for r in ranked)
+
+
+def test_costs_between_measured_sizes_are_interpolated_and_beyond_them_extrapolated():
+    points = {1: 10.0, 3: 12.0, 9: 24.0}
+    assert [interpolate(points, x) for x in (1, 2, 3, 6, 9, 12, 0)] == [10.0, 11.0, 12.0, 18.0, 24.0, 30.0, 9.0]
+    cost = CostModel({1: 10.0, 3: 12.0, 9: 24.0}, {1: 1.0, 2: 1.5, 4: 2.5})
+    assert cost.step_ms([2, 1]) == 16.0 + 1.0 + 1.5  # 1 + 2 + 2 rows verified; levels over 1 and 2 parents
 
 
 def test_rank_acceptance_of_a_model_against_itself_is_all_rank_one(tiny_pair):
