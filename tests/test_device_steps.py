@@ -11,6 +11,7 @@ model's device, with one host synchronization per step, and give what the per-re
 
 from __future__ import annotations
 
+import json
 import random
 
 import grpc
@@ -18,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer.model import LlamaModel
+from specinfer.model import DRAFT_VOCAB, LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree, merge
@@ -81,16 +82,16 @@ def test_trees_verification_cannot_handle_are_refused_naming_the_field_before_an
     assert verifier.caches["a"].tokens == record
 
 
-def reference_draft(hf, prefix: list[int], expansion: list[int]) -> set[tuple[int, ...]]:
+def reference_draft(hf, prefix: list[int], expansion: list[int], vocab: list[int]) -> set[tuple[int, ...]]:
     """Greedy expansion drafted alone with transformers: every node's children are the top-k of
-    the SSM after prefix + S_u. Returns the tree's paths S_u."""
+    the SSM after prefix + S_u among the draft vocabulary `vocab`. Returns the tree's paths S_u."""
     paths, frontier = set(), [()]
     for k in expansion:
         nxt = []
         for s in frontier:
             with torch.no_grad():
-                logits = hf(torch.tensor([prefix + list(s)])).logits[0, -1]
-            for t in logits.topk(k).indices.tolist():
+                logits = hf(torch.tensor([prefix + list(s)])).logits[0, -1, vocab]
+            for t in torch.tensor(vocab)[logits.topk(k).indices].tolist():
                 nxt.append(s + (t,))
         paths.update(nxt)
         frontier = nxt
@@ -107,9 +108,10 @@ def test_batched_greedy_drafting_equals_drafting_each_request_alone(heldout_ids)
     # a second draft after a few committed tokens goes through the kept KV of the first tree
     more = [t.tokens[:1] + [7] if len(t) else [7] for t in first]
     second = spec.draft([DraftRequest(str(i), m, e) for i, (m, e) in enumerate(zip(more, expansions))])
+    vocab = json.loads((MODELS / "ssm-0" / DRAFT_VOCAB).read_text())["token_ids"]
     for prompt, e, m, a, b in zip(prompts, expansions, more, first, second):
-        assert set(a.paths()) == reference_draft(hf, prompt, e)
-        assert set(b.paths()) == reference_draft(hf, prompt + m, e)
+        assert set(a.paths()) == reference_draft(hf, prompt, e, vocab)
+        assert set(b.paths()) == reference_draft(hf, prompt + m, e, vocab)
         assert len(a.paths()) == len(set(a.paths())), "one node per path"
 
 
