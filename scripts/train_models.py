@@ -49,7 +49,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specinfer.model import DRAFT_VOCAB
+from specinfer.model import DRAFT_VOCAB, read_draft_vocab
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "test", "tests", "testing", "idle_test", "__pycache__", "lib2to3"}
@@ -283,12 +283,6 @@ def frequent_tokens(data: torch.Tensor, k: int, vocab_size: int) -> list[int]:
     return sorted(counts.argsort(descending=True, stable=True)[:k].tolist())
 
 
-def draft_vocab(path: Path) -> torch.Tensor | None:
-    """The draft vocabulary a checkpoint directory declares, if any."""
-    f = path / DRAFT_VOCAB
-    return torch.tensor(json.loads(f.read_text())["token_ids"]) if f.exists() else None
-
-
 def without(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The sparse distributions (ids, probs) [..., K] with `tokens` [...] removed and renormalized (a
     distribution that holds nothing else keeps its shape and sums to 0)."""
@@ -360,7 +354,8 @@ def evaluate(out: Path, heldout: list[tuple[str, Path]], eval_bytes: int, new_to
         seq = continuations(models_["llm"], ids, new_tokens, False, torch.Generator().manual_seed(seed))
         greedy.append(seq)
         top1.append(models_["llm"](input_ids=seq).logits.argmax(-1))
-    hits, vocabs = {}, {n: draft_vocab(out / n) for n in ("ssm-0", "ssm-1")}
+    vocabs = {n: None if (v := read_draft_vocab(out / n)) is None else torch.tensor(v) for n in ("ssm-0", "ssm-1")}
+    hits = {}
     for n in ("ssm-0", "ssm-1"):
         # positions whose next token is a generated one: from the prompt's last token on; the SSM
         # proposes from its draft vocabulary, as it does when it drafts

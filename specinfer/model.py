@@ -327,15 +327,12 @@ class LlamaModel(nn.Module):
         [...]}) beside the weights, its LM head restricted to those tokens (`restrict_vocab`)."""
         cfg = ModelConfig.from_dir(path)
         model = cls.from_weights(cfg, read_weights(path), dtype, device)
-        vocab = Path(path) / DRAFT_VOCAB
-        if vocab.exists():
-            ids = json.loads(vocab.read_text()).get("token_ids")
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ValueError(f"{vocab}: token_ids: must be a list of token ids")
+        ids = read_draft_vocab(path)
+        if ids is not None:
             try:
                 model.restrict_vocab(ids)
             except ValueError as e:
-                raise ValueError(f"{vocab}: {e}") from None
+                raise ValueError(f"{Path(path) / DRAFT_VOCAB}: {e}") from None
         return model
 
     @classmethod
@@ -428,6 +425,17 @@ class LlamaModel(nn.Module):
             return logits
         full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
         return full.index_copy_(1, self.vocab_ids, logits)
+
+
+def read_draft_vocab(path: str | Path) -> list[int] | None:
+    """The token ids of a checkpoint directory's draft vocabulary (DRAFT_VOCAB), or None without one."""
+    f = Path(path) / DRAFT_VOCAB
+    if not f.exists():
+        return None
+    ids = json.loads(f.read_text()).get("token_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"{f}: token_ids: must be a list of token ids")
+    return ids
 
 
 def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:

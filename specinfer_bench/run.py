@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from specinfer.checkpoints import default_ssms, models_dir
 from specinfer.generate import Mode
-from specinfer.model import LlamaModel
+from specinfer.model import LlamaModel, read_draft_vocab
 from specinfer.tree import tree_size
 
 from . import inprocess, peers, tree_search
@@ -38,7 +38,7 @@ def search_tree(llm_dir: Path, ssm_dir: Path, prompts: list[list[int]], continua
     llm_hf = llm_hf or peers.load(llm_dir)
     ssm_hf = ssm_hf or peers.load(ssm_dir)
     p = tree_search.rank_acceptance(llm_hf, ssm_hf, [a + b for a, b in zip(prompts, continuations)],
-                                    [len(a) for a in prompts])
+                                    [len(a) for a in prompts], vocab=read_draft_vocab(ssm_dir))
     cost = tree_search.measure_costs(LlamaModel.from_pretrained(llm_dir), LlamaModel.from_pretrained(ssm_dir), prompts[0])
     ranked = tree_search.search(p, cost)
     return {"rank_acceptance": p, "cost_model_ms": vars(cost), "best": ranked[0], "top": ranked[:8]}

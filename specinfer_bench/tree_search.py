@@ -42,14 +42,19 @@ def expected_tokens_per_step(expansion: list[int], p: list[float]) -> float:
 
 
 @torch.no_grad()
-def rank_acceptance(llm, ssm, sequences: list[list[int]], starts: list[int], max_rank: int = 8) -> list[float]:
+def rank_acceptance(llm, ssm, sequences: list[list[int]], starts: list[int], max_rank: int = 8,
+                    vocab: list[int] | None = None) -> list[float]:
     """p[r-1] for r = 1..max_rank from teacher-forced forwards of two transformers models over
-    sequences (prompt + the LLM's greedy continuation), at positions from starts[i] on."""
+    sequences (prompt + the LLM's greedy continuation), at positions from starts[i] on; the SSM
+    ranks only the tokens of its draft vocabulary `vocab` when it has one, as it does when it drafts."""
     hits, total = [0] * max_rank, 0
     for seq, start in zip(sequences, starts):
         ids = torch.tensor([seq])
         target = llm(ids).logits[0, start - 1 : -1].argmax(-1)  # the LLM's next token at each position
-        ranks = ssm(ids).logits[0, start - 1 : -1].argsort(-1, descending=True)[:, :max_rank]
+        scores = ssm(ids).logits[0, start - 1 : -1]
+        if vocab is not None:
+            scores = torch.full_like(scores, float("-inf")).index_copy_(1, torch.tensor(vocab), scores[:, vocab])
+        ranks = scores.argsort(-1, descending=True)[:, :max_rank]
         match = (ranks == target[:, None]).int()  # [positions, max_rank]
         for r in range(max_rank):
             hits[r] += int(match[:, r].sum())

@@ -64,6 +64,18 @@ def test_rank_acceptance_of_a_model_against_itself_is_all_rank_one(tiny_pair):
     assert p == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_rank_acceptance_ranks_only_the_draft_vocabulary(tiny_pair):
+    """The model against itself drafting from the even tokens: the LLM's token is the SSM's first
+    exactly when it is even, and never among its first 4 when odd."""
+    hf, _, _ = tiny_pair
+    seqs = [torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    with torch.no_grad():
+        targets = torch.cat([hf(torch.tensor([s])).logits[0, 4:-1].argmax(-1) for s in seqs])
+    p = rank_acceptance(hf, hf, seqs, [5, 5, 5], max_rank=4, vocab=list(range(0, 64, 2)))
+    even = int((targets % 2 == 0).sum()) / len(targets)
+    assert 0 < even < 1 and p == [even, 0.0, 0.0, 0.0]
+
+
 def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "specinfer_cli", "bench", "--quick", "--no-services", "--prompts", "2",
