@@ -49,7 +49,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specinfer.model import DRAFT_VOCAB, read_draft_vocab
+from specinfer.model import DRAFT_VOCAB, read_draft_vocab, spread_vocab
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "test", "tests", "testing", "idle_test", "__pycache__", "lib2to3"}
@@ -261,14 +261,12 @@ def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
 def argmax_tokens(model, seqs, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """The model's most likely next token at every position of `seqs` (among the token ids `vocab` only,
     when given: what a drafter with that draft vocabulary proposes)."""
-    mask = None
-    if vocab is not None:
-        mask = torch.full((model.config.vocab_size,), float("-inf"))
-        mask[vocab] = 0.0
     out = []
     for i in range(0, len(seqs), 64):
         logits = model(input_ids=seqs[i : i + 64]).logits
-        out.append((logits if mask is None else logits + mask).argmax(-1))
+        if vocab is not None:
+            logits = spread_vocab(logits[..., vocab], vocab, logits.shape[-1])
+        out.append(logits.argmax(-1))
     return torch.cat(out)
 
 

@@ -421,10 +421,14 @@ class LlamaModel(nn.Module):
     def logits(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """[R, V] float32 logits of the wanted rows, on the device (-inf outside a restricted vocabulary)."""
         logits = self.lm_head(self.norm(x[step.wanted])[0]).float()
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.vocab_ids, logits)
+        return logits if self.vocab_ids is None else spread_vocab(logits, self.vocab_ids, self.cfg.vocab_size)
+
+
+def spread_vocab(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a draft vocabulary, values [..., K] for the K token ids `token_ids`, as logits over
+    the whole vocabulary [..., vocab_size]: -inf for every other token."""
+    full = values.new_full((*values.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(values.dim() - 1, token_ids, values)
 
 
 def read_draft_vocab(path: str | Path) -> list[int] | None:

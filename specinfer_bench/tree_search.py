@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.model import LlamaModel, StepInput
+from specinfer.model import LlamaModel, StepInput, spread_vocab
 from specinfer.tree import tree_size
 
 from .report import median_ms
@@ -48,12 +48,13 @@ def rank_acceptance(llm, ssm, sequences: list[list[int]], starts: list[int], max
     sequences (prompt + the LLM's greedy continuation), at positions from starts[i] on; the SSM
     ranks only the tokens of its draft vocabulary `vocab` when it has one, as it does when it drafts."""
     hits, total = [0] * max_rank, 0
+    ids_kept = None if vocab is None else torch.tensor(vocab)
     for seq, start in zip(sequences, starts):
         ids = torch.tensor([seq])
         target = llm(ids).logits[0, start - 1 : -1].argmax(-1)  # the LLM's next token at each position
         scores = ssm(ids).logits[0, start - 1 : -1]
-        if vocab is not None:
-            scores = torch.full_like(scores, float("-inf")).index_copy_(1, torch.tensor(vocab), scores[:, vocab])
+        if ids_kept is not None:
+            scores = spread_vocab(scores[:, ids_kept], ids_kept, scores.shape[-1])
         ranks = scores.argsort(-1, descending=True)[:, :max_rank]
         match = (ranks == target[:, None]).int()  # [positions, max_rank]
         for r in range(max_rank):
