@@ -228,9 +228,12 @@ def continuations(llm, prompts: torch.Tensor, new_tokens: int, sample_every_othe
 
 
 @torch.no_grad()
-def distillation_set(llm, data, count, prompt_len, new_tokens, top_k, gen):
-    """The LLM's own continuations of corpus windows (half greedy, half sampled at T=0.8), with the
-    LLM's top-k next-token distribution at every position as soft targets."""
+def distillation_set(llm, data, count, gen, cache: Path, prompt_len=64, new_tokens=64, top_k=32):
+    """The LLM's own continuations of `count` corpus windows (half greedy, half sampled at T=0.8), with
+    the LLM's top-k next-token distribution at every position as soft targets; kept in `cache`-{count}.pt."""
+    cached = cache.with_name(f"{cache.name}-{count}.pt")
+    if cached.exists():
+        return torch.load(cached)
     starts = torch.randint(0, data.numel() - prompt_len, (count,), generator=gen)
     prompts = torch.stack([data[s : s + prompt_len] for s in starts.tolist()]).long()
     seqs = continuations(llm, prompts, new_tokens, True, gen)
@@ -240,7 +243,9 @@ def distillation_set(llm, data, count, prompt_len, new_tokens, top_k, gen):
         v, k = p.topk(top_k, dim=-1)
         probs.append((v / v.sum(-1, keepdim=True)).half())
         ids.append(k.int())
-    return seqs, torch.cat(ids), torch.cat(probs)
+    out = seqs, torch.cat(ids), torch.cat(probs)
+    torch.save(out, cached)
+    return out
 
 
 def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
@@ -384,7 +389,9 @@ def main():
     ap.add_argument("--ssm-steps", type=int, default=300)
     ap.add_argument("--distill-samples", type=int, default=8192)
     ap.add_argument("--distill-epochs", type=int, default=6)
-    ap.add_argument("--boost-epochs", type=int, default=3, help="epochs of SSM 1's boost-tuning from SSM 0")
+    ap.add_argument("--boost-samples", type=int, default=16384,
+                    help="LLM windows SSM 1 is boost-tuned on: the distillation set's, then more of their own")
+    ap.add_argument("--boost-epochs", type=int, default=2, help="epochs of SSM 1's boost-tuning from SSM 0")
     ap.add_argument("--draft-vocab", type=int, default=2048,
                     help="tokens the SSMs draft from: the corpus's most frequent (the vocabulary size: all)")
     ap.add_argument("--heldout-every", type=int, default=20)
@@ -450,12 +457,7 @@ def train(args, work: Path, train_files, heldout_files):
     # the SSMs' base: the LLM's embedding, first layer and final norm, pretrained further on its own
     base = truncated(llm, ssm_cfg)
     train_lm(base, data, args.ssm_steps, 256, 16, 2e-3, seeded(2), work / "ssm-base.ckpt", "SSM base pretraining")
-    cached = work / f"distill-{args.distill_samples}.pt"
-    if cached.exists():
-        seqs, top_ids, top_probs = torch.load(cached)
-    else:
-        seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, 64, 64, 32, seeded(3))
-        torch.save((seqs, top_ids, top_probs), cached)
+    seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, seeded(3), work / "distill")
     everywhere = torch.ones(seqs.shape, dtype=torch.float)
     recipe = f"{args.distill_samples}x{args.distill_epochs}"  # the SSMs' checkpoints belong to their recipe
 
@@ -463,6 +465,11 @@ def train(args, work: Path, train_files, heldout_files):
     distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
             work / f"ssm-0-{recipe}.ckpt", "SSM 0 distillation")
     save(ssm0, tokenizer, args.out / "ssm-0", vocab)  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
+    # SSM 1's data: the distillation set and, past its size, more LLM windows of their own
+    extra = args.boost_samples - args.distill_samples
+    if extra > 0:
+        more = distillation_set(llm, data, extra, seeded(6), work / "boost-extra")
+        seqs, top_ids, top_probs = (torch.cat(pair) for pair in zip((seqs, top_ids, top_probs), more))
     guess0 = argmax_tokens(ssm0, seqs)
     marked = (guess0 == top_ids[..., 0]).float()  # SpecInfer's "marked" samples: SSM 0 already right
 
@@ -470,8 +477,9 @@ def train(args, work: Path, train_files, heldout_files):
     # LLM's distribution without SSM 0's guess there: a merged tree already holds that guess, so SSM 1 is
     # worth most where it proposes the LLM's token among the others.
     ssm1 = truncated(ssm0, ssm_cfg)
+    boost = ("" if extra <= 0 else f"{args.boost_samples}x") + str(args.boost_epochs)
     distill(ssm1, seqs, top_ids, without(top_ids, top_probs, guess0), 1 - marked, args.boost_epochs, 32, 2e-3,
-            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{args.boost_epochs}.ckpt", "SSM 1 boost-tuning")
+            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{boost}.ckpt", "SSM 1 boost-tuning")
     hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
