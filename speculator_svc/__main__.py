@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from specinfer_rpc.openmp import bound_spin
+
+bound_spin()  # before torch is imported (see openmp.py)
+
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from specinfer.checkpoints import DTYPES, default_ssms, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
+from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -27,11 +30,7 @@ class SpeculatorConfig(ModelServerConfig):
     port: int = option(50052, "port to listen on (0: any free port)")
 
 
-async def main(cfg: SpeculatorConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    if not cfg.ssm:
-        raise SystemExit("speculator: no SSM given (--ssm)")
+def build(cfg: SpeculatorConfig) -> list[Speculator]:
     device = resolve_device(cfg.device)
     models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype], device=device) for d in cfg.ssm]
     if len({m.cfg.vocab_size for m in models}) != 1:
@@ -40,8 +39,14 @@ async def main(cfg: SpeculatorConfig) -> None:
                               progress=True) for i, m in enumerate(models)]
     for spec, name in zip(speculators, cfg.ssm):
         print(f"speculator {Path(name).name}: {spec.run.describe()}", flush=True)
-    servicer = SpeculatorServicer(speculators,
-                                  [Path(d).name for d in cfg.ssm])
+    return speculators
+
+
+async def main(cfg: SpeculatorConfig) -> None:
+    if not cfg.ssm:
+        raise SystemExit("speculator: no SSM given (--ssm)")
+    thread = ModelThread("speculator", cfg.threads)
+    servicer = SpeculatorServicer(thread.call(build, cfg), [Path(d).name for d in cfg.ssm], thread)
     service = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
     await serve("speculator", cfg, [(speculator_pb2_grpc.add_SpeculatorServicer_to_server, servicer, service)])
 

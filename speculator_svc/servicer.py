@@ -8,10 +8,8 @@ Model compute runs on one worker thread, never on the event loop.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -19,6 +17,7 @@ from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree, merge, validate_expansion
 from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS
+from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import rpc_errors
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
 
@@ -28,16 +27,16 @@ TREES = Counter("specinfer_speculator_trees", "draft trees built (one per reques
 REQUESTS = Gauge("specinfer_speculator_requests", "requests with SSM state here")
 
 class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
-    def __init__(self, speculators: list[Speculator], model_names: list[str]):
+    def __init__(self, speculators: list[Speculator], model_names: list[str], thread: ModelThread):
         self.speculators = speculators
         self.model_names = model_names
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="speculator")
+        self.thread = thread  # the one thread that touches the models and their caches
         self.streams = itertools.count()
         self.keys: set[str] = set()  # every request with state, over all streams (worker thread only)
         REQUESTS.set_function(lambda: len(self.keys))
 
     async def _on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        return await self.thread.run(fn, *args)
 
     @rpc_errors
     async def Speculate(self, request_iterator, context):

@@ -4,10 +4,10 @@ LLM's own, and a rank that dies makes requests fail UNAVAILABLE promptly, never 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import grpc
@@ -21,7 +21,7 @@ from specinfer.model import LlamaModel
 from specinfer.parallel import Layout
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.client import generate_all
+from specinfer_rpc.client import connect, generate_all, request_pb
 from specinfer_rpc.launch import launch
 from verifier_svc.workers import _build, _free_port
 
@@ -109,23 +109,21 @@ def test_killing_a_rank_fails_requests_unavailable_promptly(heldout_ids):
         verifier = s.by_name("verifier")
         ranks = worker_pids(verifier.process.pid)
         assert len(ranks) == 1
-        result = {}
 
-        def stream():
-            try:
-                generate_all(s.manager.address, [Request(heldout_ids[0], 500, ignore_eos=True)], "off")
-            except grpc.RpcError as e:
-                result["code"], result["at"] = e.code(), time.monotonic()
+        async def go():
+            call = connect(s.manager.address).Generate(request_pb(Request(heldout_ids[0], 500, ignore_eos=True), "off"),
+                                                       timeout=60)
+            await call.read()  # the request is running: its first tokens came
+            killed = time.monotonic()
+            os.kill(ranks[0], signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as failure:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return failure.value.code(), time.monotonic() - killed
 
-        worker = threading.Thread(target=stream)
-        worker.start()
-        time.sleep(3)  # mid-request
-        killed = time.monotonic()
-        os.kill(ranks[0], signal.SIGKILL)
-        worker.join(30)
-        assert not worker.is_alive(), "the request hung"
-        assert result["code"] == grpc.StatusCode.UNAVAILABLE
-        assert result["at"] - killed < 10
+        code, after = asyncio.run(go())
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert after < 10
         verifier.process.wait(30)  # rank 0 stops itself so that the group is restarted whole
     finally:
         s.stop()

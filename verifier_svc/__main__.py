@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from specinfer_rpc.openmp import bound_spin
+
+bound_spin()  # before torch is imported (see openmp.py)
+
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from specinfer.checkpoints import DTYPES, models_dir, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.verifier import Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option
+from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -31,9 +34,7 @@ class VerifierConfig(ModelServerConfig):
     dist_timeout: float = option(30.0, "seconds a torch.distributed collective may wait for a rank")
 
 
-async def main(cfg: VerifierConfig) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
     dtype, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
     if cfg.tp * cfg.pp > 1:
         verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
@@ -43,13 +44,19 @@ async def main(cfg: VerifierConfig) -> None:
         verifier = Verifier(LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device), cfg.kv_cache_tokens,
                             cfg.graphs(), progress=True)
         print(f"verifier: {verifier.run.describe()}", flush=True)
-    servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout)
+    return verifier
+
+
+async def main(cfg: VerifierConfig) -> None:
+    thread = ModelThread("verifier", cfg.threads)
+    verifier = thread.call(build, cfg)
+    servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout, thread)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     try:
         await serve("verifier", cfg, [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer, service)])
     finally:
         if isinstance(verifier, ParallelVerifier):
-            verifier.close()
+            thread.call(verifier.close)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,9 @@ same interface.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from prometheus_client import Gauge, Histogram
@@ -20,6 +18,7 @@ from prometheus_client import Gauge, Histogram
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_rpc.convert import sampling_from_pb, tree_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
+from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import Abort, rpc_errors
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -35,12 +34,12 @@ KV_TOTAL = Gauge("specinfer_kv_cache_tokens", "token slots in the paged KV cache
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, verifier: Verifier, model_name: str, idle_timeout: float):
+    def __init__(self, verifier: Verifier, model_name: str, idle_timeout: float, thread: ModelThread):
         self.verifier = verifier
         self.model_name = model_name
         self.idle_timeout = idle_timeout  # a request untouched this long is freed (its manager is gone)
         self.last_used: dict[str, float] = {}
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="verifier")
+        self.thread = thread  # the one thread that touches the model and the caches
         pool = verifier.pool
         REQUESTS.set_function(lambda: len(self.verifier.caches))
         KV_FREE.set_function(lambda: len(pool.free) * pool.block_size)
@@ -48,7 +47,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def _on_worker(self, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+            return await self.thread.run(fn, *args)
         except RankFailed as e:  # a model-parallel rank is gone: answer, then stop so the group restarts whole
             os.kill(os.getpid(), signal.SIGTERM)
             raise Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
