@@ -37,26 +37,35 @@ import numpy as np
 @dataclass
 class Fit:
     """Least squares of y on features x over the last `window` samples (a small ridge keeps it
-    defined before the samples span every feature)."""
+    defined before the samples span every feature). The normal equations' sums X'X and X'y are kept
+    as samples come and go, so a prediction after an update solves one k x k system instead of
+    rebuilding the window's arrays (this runs every iteration, on the manager's event loop)."""
 
     window: int = 256
     samples: deque = field(default_factory=deque)
     coef: np.ndarray | None = None
+    xtx: np.ndarray | None = None  # sum of x x' over the window
+    xty: np.ndarray | None = None  # sum of x y over the window
 
     def add(self, x: list[float], y: float) -> None:
-        self.samples.append((x, y))
+        v = np.asarray(x, dtype=float)
+        if self.xtx is None:
+            self.xtx, self.xty = np.zeros((len(v), len(v))), np.zeros(len(v))
+        self.samples.append((v, y))
+        self.xtx += np.outer(v, v)
+        self.xty += v * y
         if len(self.samples) > self.window:
-            self.samples.popleft()
+            old, old_y = self.samples.popleft()
+            self.xtx -= np.outer(old, old)
+            self.xty -= old * old_y
         self.coef = None
 
     def __call__(self, x: list[float]) -> float:
         if not self.samples:
             return 0.0
         if self.coef is None:
-            xs = np.array([s[0] for s in self.samples], dtype=float)
-            ys = np.array([s[1] for s in self.samples], dtype=float)
-            ridge = 1e-6 * np.eye(xs.shape[1]) * max(1.0, float((xs**2).sum()) / len(xs))
-            self.coef = np.linalg.solve(xs.T @ xs + ridge, xs.T @ ys)
+            ridge = 1e-6 * max(1.0, float(np.trace(self.xtx)) / len(self.samples))
+            self.coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
         return max(0.0, float(np.dot(self.coef, x)))
 
 

@@ -4,7 +4,10 @@ measured acceptance say yields the most tokens per second, per batch size (simul
 import random
 from collections import Counter
 
-from manager_svc.controller import SpeculationController, Step
+import numpy as np
+import pytest
+
+from manager_svc.controller import Fit, SpeculationController, Step
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -76,3 +79,22 @@ def test_no_tree_when_a_step_with_trees_costs_a_jump_that_acceptance_does_not_re
     chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010 if rows == b else 0.040 + 0.0001 * rows,
                       draft_level=0.001)
     assert chosen[0] >= 0.9 * sum(chosen.values()), chosen
+
+
+def test_the_rolling_fit_equals_the_fit_over_its_window():
+    """The fit keeps X'X and X'y as samples enter and leave the window: its predictions equal the
+    (ridge) least-squares solve rebuilt from exactly the last `window` samples."""
+    rng = np.random.default_rng(0)
+    fit = Fit(window=32)
+    xs, ys = [], []
+    for _ in range(200):
+        x = [1.0, float(rng.integers(1, 64)), float(rng.integers(1, 900)), float(rng.integers(0, 2))]
+        y = 0.004 + 0.0001 * x[1] + 0.00002 * x[2] + 0.003 * x[3] + 1e-4 * rng.standard_normal()
+        fit.add(x, y)
+        xs.append(x)
+        ys.append(y)
+        X, Y = np.array(xs[-32:]), np.array(ys[-32:])
+        ridge = 1e-6 * max(1.0, float((X**2).sum()) / len(X))
+        coef = np.linalg.solve(X.T @ X + ridge * np.eye(4), X.T @ Y)
+        probe = [1.0, 8.0, 100.0, 1.0]
+        assert fit(probe) == pytest.approx(max(0.0, float(np.dot(coef, probe))), rel=1e-6, abs=1e-12)
