@@ -43,8 +43,11 @@ class ManagerConfig(ServerConfig):
     auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none",
                              repr=False)  # never printed with the configuration
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
-    expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (shallow: on a CPU an SSM level costs a third of an LLM step; see bench/results/services_cpu.md)")
-    tree_budget: int = option(32, "tree nodes per iteration, shared by the batch (cuts each request's tree; at 17+ requests none are left on the default 2,1,1: plain incremental)")
+    expansion: list[int] = option([1, 1, 1], "default expansion config k_1,...,k_m (the tree-shape search's pick for the shipped models "
+                                             "on a CPU; see bench/results/services_defaults_cpu.md)")
+    tree_budget: int = option(4, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
+                                 "the whole tree for 1 request, 2 levels for 2, 1 for 3-4, none from 5: plain incremental; "
+                                 "on a GPU, where a verifier step costs about the same for 1 row or 64, give it 64 or more)")
     adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none) from a cost "
                                   "model fitted online and the measured acceptance; off: the whole expansion "
                                   "within the tree budget")

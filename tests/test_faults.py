@@ -45,7 +45,8 @@ def test_killing_a_speculator_mid_batch_loses_no_request(fresh_system, heldout_i
 
     async def go():
         stub = connect(system.manager.address)
-        calls = [stub.Generate(request_pb(Request(p, 64)), timeout=300) for p in prompts]
+        # fixed trees: 12 requests exceed the default tree budget, and the speculators must be in use
+        calls = [stub.Generate(request_pb(Request(p, 64), "1,1,1"), timeout=300) for p in prompts]
         firsts = await asyncio.gather(*(c.read() for c in calls))  # all streaming
         os.kill(system.by_name("speculator-0").process.pid, signal.SIGKILL)
         rests = await asyncio.gather(*(read_rest(c) for c in calls))

@@ -13,10 +13,11 @@ import grpc
 import pytest
 import torch
 
+from manager_svc.__main__ import ManagerConfig
 from specinfer.generate import Engine, Mode, Request
 from specinfer.kv_cache import CacheFull, KVPool, commit_all
 from specinfer.model import LlamaModel
-from specinfer.tree import TokenTree
+from specinfer.tree import TokenTree, tree_size
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import launch
@@ -117,7 +118,8 @@ def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
     fit, the rest wait (none fails) and every output is exact; one that could never fit is
     refused with INVALID_ARGUMENT naming max_new_tokens."""
     prompts, new = heldout_ids[:6], 100
-    tree = 6 * 2  # the server's 2,1,1 tree from each of two speculators
+    defaults = ManagerConfig()
+    tree = min(tree_size(defaults.expansion), defaults.tree_budget) * 2  # the server's tree from each of two speculators
     needs = [-(-(len(p) + new + tree) // 16) * 16 for p in prompts]
     kv = 2 * max(needs)
     system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0,

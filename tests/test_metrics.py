@@ -44,7 +44,7 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
     assert all(u.startswith("http://127.0.0.1:") and u.endswith("/metrics") for u in urls.values()), urls
 
     requests = [Request(p, 40, ignore_eos=i % 2 == 0) for i, p in enumerate(heldout_ids[:8])]
-    streams = generate_all(system.manager.address, requests)
+    streams = generate_all(system.manager.address, requests, "2,1,1")  # fixed trees: 8 requests exceed the default budget
     streams += generate_all(system.manager.address, [Request(heldout_ids[8], 12)], "off")
     requests.append(Request(heldout_ids[8], 12))
     with pytest.raises(grpc.RpcError):  # refused before it was accepted: counted nowhere
