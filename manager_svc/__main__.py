@@ -45,8 +45,8 @@ class ManagerConfig(ServerConfig):
     tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
     expansion: list[int] = option([1, 1, 1], "default expansion config k_1,...,k_m (the tree-shape search's pick for the shipped models "
                                              "on a CPU; see bench/results/services_defaults_cpu.md)")
-    tree_budget: int = option(4, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
-                                 "the whole tree for 1 request, 2 levels for 2, 1 for 3-4, none from 5: plain incremental; "
+    tree_budget: int = option(3, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
+                                 "the whole tree for 1 request, 1 level for 2-3, none from 4: plain incremental; "
                                  "on a GPU, where a verifier step costs about the same for 1 row or 64, give it 64 or more)")
     adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none) from a cost "
                                   "model fitted online and the measured acceptance; off: the whole expansion "

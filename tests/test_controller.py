@@ -98,3 +98,12 @@ def test_the_rolling_fit_equals_the_fit_over_its_window():
         coef = np.linalg.solve(X.T @ X + ridge * np.eye(4), X.T @ Y)
         probe = [1.0, 8.0, 100.0, 1.0]
         assert fit(probe) == pytest.approx(max(0.0, float(np.dot(coef, probe))), rel=1e-6, abs=1e-12)
+
+
+def test_looks_at_a_neighbour_grow_rarer_while_the_choice_holds():
+    """Plain decoding wins throughout: after the choice settles, a neighbouring depth is tried
+    every explore_max iterations (16 -> 32 -> 64), not every 16, but it is still tried."""
+    c = SpeculationController(explore=16, explore_max=64)
+    chosen = simulate(c, 1, 1280, verify=lambda b, rows: 0.010, draft_level=0.012)
+    looks = sum(v for m, v in chosen.items() if m)
+    assert 1 <= looks <= 640 // 64 + 1, chosen

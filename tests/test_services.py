@@ -186,7 +186,7 @@ def test_model_info_tokenize_and_health_and_reflection(system):
         return info, text
     info, text = asyncio.run(go())
     assert info.vocab_size == VOCAB and info.context_length == 2048 and list(info.eos_token_ids) == [0]
-    assert info.speculators == 2 and list(info.expansion) == [1, 1, 1] and info.tree_budget == 4
+    assert info.speculators == 2 and list(info.expansion) == [1, 1, 1] and info.tree_budget == 3
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     for s in system.services:
