@@ -220,13 +220,13 @@ def print_generation(g: Generation, text: str, as_json: bool) -> None:
 
 def print_summary(mode: str, gens: list[Generation], seconds: float, trees: str) -> None:
     """One line on stderr (stdout stays the generations, or pure JSON lines with --json), e.g.
-    `[tree] 3 requests, 96 tokens in 1.3 s (76.6 tok/s), 1.29 tokens/step; trees in 12% of steps (...)`.
+    `[tree] 3 requests, 96 tokens in 1.25 s (76.6 tok/s), 1.29 tokens/step; trees in 12% of steps (...)`.
     Tokens per step as `Generation.tokens_per_step`: the prefill's token and step are left out."""
     tokens = sum(len(g.token_ids) for g in gens)
     steps = sum(g.steps for g in gens)
     per_step = sum(max(0, len(g.token_ids) - 1) for g in gens) / steps if steps else 0.0
     requests = f"{len(gens)} request{'' if len(gens) == 1 else 's'}"
-    print(f"[{mode}] {requests}, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tok/s), "
+    print(f"[{mode}] {requests}, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), "
           f"{per_step:.2f} tokens/step; {trees}", file=sys.stderr)
 
 
