@@ -103,9 +103,13 @@ def main(args) -> int:
 
     services_rows, rounds = [], 1 if args.quick else 2
     if not args.no_services:
+        from manager_svc.__main__ import ManagerConfig
+
         from .services import measure
 
-        svc_configs = ["off", "2,1,1@64"] if args.quick else ["off", "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
+        defaults = ManagerConfig()
+        default = f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget}"  # the manager's own
+        svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
         services_rows = measure(llm_dir, ssm_dirs, prompts, short, svc_configs, levels,
                                 requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
