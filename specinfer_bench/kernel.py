@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from specinfer.checkpoints import models_dir
 from specinfer.model import LlamaModel, ModelConfig
-from specinfer.tree import TokenTree, ancestor_bits, dfs_order, merge, reorder
+from specinfer.tree import TokenTree, ancestor_bits, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 
@@ -142,7 +142,8 @@ def bench_verifier(model: LlamaModel, trees: list[int], batches: list[int], prom
         ids = [f"r{i}" for i in range(batch)]
         verifier.step([VerifyRequest(i, [rng.randrange(vocab) for _ in range(prompt_len)]) for i in ids])
         for n in trees:
-            shaped = [merge([random_tree(rng, n, vocab)]) if n else TokenTree() for _ in ids]  # one node per path
+            # distinct tokens: no token repeats under a parent, as the verifier requires of a draft
+            shaped = [TokenTree(rng.sample(range(vocab), n), random_tree(rng, n, 2).parents) for _ in ids]
 
             def step():
                 verifier.step([VerifyRequest(i, [], t) for i, t in zip(ids, shaped)])

@@ -35,9 +35,6 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         self.keys: set[str] = set()  # every request with state, over all streams (worker thread only)
         REQUESTS.set_function(lambda: len(self.keys))
 
-    async def _on_worker(self, fn, *args):
-        return await self.thread.run(fn, *args)
-
     @rpc_errors
     async def Speculate(self, request_iterator, context):
         prefix = f"{next(self.streams)}/"
@@ -46,7 +43,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                 start = time.perf_counter_ns()
                 batch = [self._draft_request(prefix, u) for u in request.updates]
                 releases = [prefix + r for r in request.release]
-                trees = await self._on_worker(self._draft, releases, batch)
+                trees = await self.thread.run(self._draft, releases, batch)
                 if batch:
                     TREE_SECONDS.observe((time.perf_counter_ns() - start) / 1e9)
                     TREES.inc(len(batch))
@@ -55,7 +52,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                     trees=[speculator_pb2.DraftTree(request_id=u.request_id, tree=tree_to_pb(t))
                            for u, t in zip(request.updates, trees)])
         finally:
-            await self._on_worker(self._release_stream, prefix)
+            await self.thread.run(self._release_stream, prefix)
 
     def _draft_request(self, prefix: str, u: speculator_pb2.DraftUpdate) -> DraftRequest:
         validate_expansion(list(u.expansion))

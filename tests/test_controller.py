@@ -101,9 +101,13 @@ def test_the_rolling_fit_equals_the_fit_over_its_window():
 
 
 def test_looks_at_a_neighbour_grow_rarer_while_the_choice_holds():
-    """Plain decoding wins throughout: after the choice settles, a neighbouring depth is tried
-    every explore_max iterations (16 -> 32 -> 64), not every 16, but it is still tried."""
+    """Plain decoding wins throughout: after every depth is measured twice, a neighbouring depth is
+    tried 16 iterations later, then 32, then every 64 (explore=16, explore_max=64), never stopping."""
     c = SpeculationController(explore=16, explore_max=64)
-    chosen = simulate(c, 1, 1280, verify=lambda b, rows: 0.010, draft_level=0.012)
-    looks = sum(v for m, v in chosen.items() if m)
-    assert 1 <= looks <= 640 // 64 + 1, chosen
+    measured = 2 * (len(EXPANSION) + 1)
+    chosen = [next(iter(simulate(c, 1, 1, verify=lambda b, rows: 0.010, draft_level=0.012, seed=i)))
+              for i in range(measured + 400)]
+    assert set(chosen[:measured]) == set(range(len(EXPANSION) + 1))
+    looks = [i for i in range(measured, len(chosen)) if chosen[i] != 0]
+    gaps = [b - a for a, b in zip([measured] + looks, looks)]  # from the first iteration the model chose
+    assert gaps[:3] == [16, 32, 64] and set(gaps[3:]) == {64}, looks

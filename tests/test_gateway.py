@@ -4,7 +4,9 @@ speculators, managers, gateways) on the shipped models."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -53,7 +55,7 @@ def gw(tmp_path_factory):
         specs = ",".join(s.address for s in system.services if s.name.startswith("speculator"))
         manager = strict.start("manager-strict", "manager_svc",
                                ["--port", "0", "--metrics-port", "0", "--verifier", verifier, "--speculators", specs, "--auth-token", "sesame",
-                                "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1", "--max-new-tokens-cap=2000"], 120)
+                                "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1"], 120)
         strict.start("gateway-strict", "gateway_svc", ["--port", "0", "--manager", manager.address, "--tokenizer",
                                                        str(chat_tok), "--request-timeout", "5"], 120, http="http")
         dead_port = free_port()
@@ -184,25 +186,30 @@ def test_error_statuses_in_openais_shape(gw):
 
 def test_a_full_queue_gets_429_and_a_slow_request_504(gw):
     """The strict manager runs one request and queues one; its gateway gives a request 5 s. The
-    queued request waits for the running one's 2000 tokens, then needs 2000 of its own: longer than
-    5 s on any machine this runs on (about 14 s on the 2-core CI machine)."""
+    verifier is paused (SIGSTOP) once the first request runs, so the queued one cannot finish in
+    time on any machine."""
     c = client(gw["strict"], "sesame")
-    long = {"model": "llm", "prompt": "def f(x):", "max_tokens": 2000, "temperature": 0,
-            "extra_body": {"ignore_eos": True, "speculation": "off"}}
+    long = {"model": "llm", "prompt": "def f(x):", "max_tokens": 1000, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
     running = c.completions.create(**long, stream=True)
     next(iter(running))  # the first request is running
-    outcomes = []
-    queued = threading.Thread(target=lambda: outcomes.append(_status(lambda: c.completions.create(**long))))
-    queued.start()
-    deadline = time.monotonic() + 30
-    while waiting(gw["strict_manager"]) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with pytest.raises(openai.RateLimitError) as e:
-        c.completions.create(**long)
-    assert e.value.status_code == 429 and e.value.body["type"] == "rate_limit_error"
-    queued.join(60)
-    running.close()
-    assert outcomes == [504]
+    verifier = gw["system"].by_name("verifier").process.pid
+    os.kill(verifier, signal.SIGSTOP)
+    try:
+        outcomes = []
+        queued = threading.Thread(target=lambda: outcomes.append(_status(lambda: c.completions.create(**long))))
+        queued.start()
+        deadline = time.monotonic() + 30
+        while waiting(gw["strict_manager"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(**long)
+        assert e.value.status_code == 429 and e.value.body["type"] == "rate_limit_error"
+        queued.join(60)
+        assert outcomes == [504]
+    finally:
+        os.kill(verifier, signal.SIGCONT)
+        running.close()
 
 
 def _status(call) -> int:
