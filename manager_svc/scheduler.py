@@ -92,13 +92,28 @@ class Stats:
     verify_s: float = 0.0  # of which the verifier's step
     draft_s: float = 0.0  # of which the slowest speculator's tree building
     batch_sum: int = 0
+    # (batch size, levels drafted) -> [iterations, wall time]: where the time goes, e.g. whether the
+    # few tree steps of a load that mostly decodes plainly cost more than they win
+    shapes: dict = field(default_factory=dict)
+
+    def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float) -> None:
+        self.iterations += 1
+        self.batch_sum += batch_size
+        self.busy_s += busy_s
+        self.verify_s += verify_s
+        self.draft_s += draft_s
+        shape = self.shapes.setdefault((batch_size, levels), [0, 0.0])
+        shape[0] += 1
+        shape[1] += busy_s
 
     def summary(self) -> dict:
         n = max(self.iterations, 1)
         return {"iterations": self.iterations, "mean_batch": self.batch_sum / n,
                 "ms_per_iteration": 1e3 * self.busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
                 "draft_ms": 1e3 * self.draft_s / n,
-                "overhead_ms": 1e3 * (self.busy_s - self.verify_s - self.draft_s) / n}
+                "overhead_ms": 1e3 * (self.busy_s - self.verify_s - self.draft_s) / n,
+                "by_batch_and_levels": {f"{b}x{m}": {"iterations": k, "ms": round(1e3 * t / k, 2)}
+                                        for (b, m), (k, t) in sorted(self.shapes.items())}}
 
 
 class Scheduler:
@@ -241,12 +256,8 @@ class Scheduler:
                 self._retire(s, reason)
         metrics.BATCH_SIZE.observe(len(batch))
         metrics.ITERATION.observe(time.perf_counter() - start)
-        stats = self.stats
-        stats.iterations += 1
-        stats.batch_sum += len(batch)
-        stats.busy_s += time.perf_counter() - start
-        stats.verify_s += step_ns / 1e9
-        stats.draft_s += draft_ns / 1e9
+        self.stats.add(len(batch), max(map(len, plans.values()), default=0), time.perf_counter() - start,
+                       step_ns / 1e9, draft_ns / 1e9)
 
     def _admit(self) -> None:
         budget = self.max_prefill_tokens

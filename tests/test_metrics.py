@@ -95,3 +95,18 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
         assert 0 < total(sp, "specinfer_speculator_tree_seconds_count") <= iterations, name
         assert total(sp, "specinfer_speculator_trees_total") >= total(sp, "specinfer_speculator_tree_seconds_count")
         assert total(sp, "process_resident_memory_bytes") > 0
+
+
+def test_the_managers_iteration_split_by_batch_size_and_levels_adds_up_to_its_totals():
+    from manager_svc.scheduler import Stats
+
+    stats = Stats()
+    for b, m, busy in [(2, 0, 0.004), (2, 0, 0.005), (1, 3, 0.011), (2, 1, 0.009), (2, 0, 0.0045)]:
+        stats.add(b, m, busy, busy / 2, busy / 4 if m else 0.0)
+    s = stats.summary()
+    shapes = s["by_batch_and_levels"]
+    assert set(shapes) == {"2x0", "1x3", "2x1"}
+    assert shapes["2x0"] == {"iterations": 3, "ms": 4.5}
+    assert sum(v["iterations"] for v in shapes.values()) == s["iterations"] == 5
+    assert sum(v["iterations"] * v["ms"] for v in shapes.values()) == pytest.approx(s["ms_per_iteration"] * 5)
+    assert s["mean_batch"] == pytest.approx(9 / 5)
