@@ -21,7 +21,8 @@ size B):
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
 the model does not see decide (a speculator that sat out plain steps catches up on their tokens first;
 the fits' own error). Through the services at two streams on a CPU, with the controller choosing
-depth-1 trees there at a predicted near-tie, they ran at 0.86x no speculation; with the margin, 0.92x.
+depth-1 trees there at a predicted near-tie, they ran at 0.86x no speculation; with the margin, 0.92x
+and 0.95x (two runs).
 
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the

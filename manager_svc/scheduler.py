@@ -92,7 +92,7 @@ class Stats:
     verify_s: float = 0.0  # of which the verifier's step
     draft_s: float = 0.0  # of which the slowest speculator's tree building
     batch_sum: int = 0
-    # (batch size, levels drafted) -> [iterations, wall time]: where the time goes, e.g. whether the
+    # (batch size, levels asked of the speculators) -> [iterations, wall time]: where the time goes, e.g. whether the
     # few tree steps of a load that mostly decodes plainly cost more than they win
     shapes: dict = field(default_factory=dict)
 

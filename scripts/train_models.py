@@ -15,7 +15,9 @@ file's path into train and held-out files. The byte-level BPE is trained on the 
 
 Every stage is checkpointed under --work (default `.train/`): run the same command again after an
 interruption and it resumes where it stopped. Everything is seeded; on the same interpreter and
-package versions a rerun writes the same weights. Nothing is downloaded.
+package versions a rerun writes the same weights. Nothing is downloaded. (The shipped LLM's first two
+cycles ran in fp32, before the autocast, and its third started from their bf16 weights with --llm-from:
+a rerun from scratch writes a similar LLM, not the same one.)
 
 The LLM's pretraining is a sequence of cosine cycles (warm restarts, `--llm-steps 1200,1300,3600`), each
 with its own warmup and half the previous cycle's peak learning rate: appending a cycle trains an

@@ -114,10 +114,11 @@ def test_looks_at_a_neighbour_grow_rarer_while_the_choice_holds():
 
 
 def test_trees_are_used_only_when_predicted_faster_than_plain_decoding_by_the_margin():
-    """A draft level costs 2 ms against an 11 ms step and 80% of draft tokens are accepted: trees are
-    predicted about 40% faster than plain decoding. Used with no margin; not with a 60% margin (the
-    default, 10%, covers the costs the model does not see: speculator catch-up, its error near a tie)."""
-    for margin, tree_share in ((0.0, (0.8, 1.0)), (0.6, (0.0, 0.2))):
+    """A draft level costs 2 ms against an 11 ms step and 80% of draft tokens are accepted: with exact
+    estimates trees are 1.5x (depth 1) to 1.95x (depth 4) as fast as plain decoding. Used with no
+    margin; never with a 150% margin, which no depth clears (the default, 10%, covers the costs the
+    model does not see: speculator catch-up, its error near a tie)."""
+    for margin, tree_share in ((0.0, (0.8, 1.0)), (1.5, (0.0, 0.05))):
         c = SpeculationController(explore=16, margin=margin)
         chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010, draft_level=0.002)
         share = 1 - chosen[0] / sum(chosen.values())

@@ -1,6 +1,7 @@
 """Cost-realistic benchmark models: an inflated checkpoint (wider, more heads, wider MLP, deeper)
-predicts exactly what its source predicts: logits within 1e-5 in float32, by transformers and by our
-runner, and identical greedy outputs."""
+predicts exactly what its source predicts: logits within float32 rounding (1e-5 absolute plus 1e-5
+relative: the three-cycle shipped LLM's logits are larger, and a difference of 1.05e-5 on a logit of
+4.5 came from the 10 inflated layers summing in another order), by transformers and by our runner, and identical greedy outputs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .conftest import MODELS
 from .test_greedy import hf_greedy
 from .test_tree_decoding import per_item
 
-ATOL = 1e-5  # the inflated model against its source, both through transformers
+ATOL = RTOL = 1e-5  # the inflated model against its source, both through transformers
 RUNNER_ATOL = 1e-4  # our runner against transformers, as in test_tree_decoding (float32 summation order)
 
 
@@ -36,7 +37,7 @@ def test_an_inflated_model_predicts_exactly_what_its_source_predicts(tiny_pair, 
     ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = hf(ids).logits
-        torch.testing.assert_close(hf_big(ids).logits, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(hf_big(ids).logits, want, atol=ATOL, rtol=RTOL)
     ours = LlamaModel.from_pretrained(out)
     for b in range(2):
         got = per_item(ours, [StepInput(ours.new_pool(256).new_cache(), ids[b].tolist(), [], [])])[0]
