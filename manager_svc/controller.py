@@ -95,6 +95,17 @@ class Step:
     tree_nodes: list[int] = field(default_factory=list)  # nodes of those requests' merged trees
 
 
+@dataclass
+class Looks:
+    """A batch size's schedule of looks at a neighbouring depth."""
+
+    iterations: int = 0  # iterations planned at this batch size
+    best: int | None = None  # the depth the model chose last
+    gap: int = 0  # iterations between looks now
+    next_look: int = 0  # the iteration of the next look
+    count: int = 0  # looks so far (alternately shallower and deeper)
+
+
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1):
@@ -105,11 +116,7 @@ class SpeculationController:
         self.reached: dict[int, float] = {}  # depth d -> steps whose path could accept at d (decayed)
         self.hit: dict[int, float] = {}  # depth d -> of those, steps that did
         self.nodes: dict[int, float] = {}  # depth m -> mean merged tree nodes per request
-        self.iterations: dict[int, int] = {}  # batch size -> iterations planned
-        self.best: dict[int, int] = {}  # batch size -> the depth the model chose last
-        self.gap: dict[int, int] = {}  # batch size -> iterations between looks at a neighbour now
-        self.next_look: dict[int, int] = {}  # batch size -> the iteration of the next look
-        self.looks: dict[int, int] = {}  # batch size -> looks so far (alternately shallower and deeper)
+        self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
         self.seen: dict[int, int] = {}  # depth -> iterations measured at it
 
     def acceptance(self, d: int) -> float:
@@ -150,15 +157,15 @@ class SpeculationController:
         best = max(range(top + 1), key=rates.__getitem__)
         if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
             best = 0
-        n = self.iterations[batch_size] = self.iterations.get(batch_size, 0) + 1
-        if self.best.get(batch_size) != best:  # the choice moved: look around often again
-            self.best[batch_size], self.gap[batch_size] = best, self.explore
-            self.next_look[batch_size] = n + self.explore
-        elif n >= self.next_look[batch_size]:  # a neighbour, alternately shallower and deeper
-            self.gap[batch_size] = min(2 * self.gap[batch_size], self.explore_max)
-            self.next_look[batch_size] = n + self.gap[batch_size]
-            looks = self.looks[batch_size] = self.looks.get(batch_size, 0) + 1
-            return best - 1 if (looks % 2 == 1 and best > 0) or best == top else best + 1
+        look = self.looks.setdefault(batch_size, Looks())
+        look.iterations += 1
+        if look.best != best:  # the choice moved: look around often again
+            look.best, look.gap, look.next_look = best, self.explore, look.iterations + self.explore
+        elif look.iterations >= look.next_look:  # a neighbour, alternately shallower and deeper
+            look.gap = min(2 * look.gap, self.explore_max)
+            look.next_look = look.iterations + look.gap
+            look.count += 1
+            return best - 1 if (look.count % 2 == 1 and best > 0) or best == top else best + 1
         return best
 
     def record(self, step: Step) -> None:

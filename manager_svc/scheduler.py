@@ -87,31 +87,28 @@ class Sequence:
 
 @dataclass
 class Stats:
-    iterations: int = 0
-    busy_s: float = 0.0  # wall time of iterations
-    verify_s: float = 0.0  # of which the verifier's step
-    draft_s: float = 0.0  # of which the slowest speculator's tree building
-    batch_sum: int = 0
-    # (batch size, levels asked of the speculators) -> [iterations, wall time]: where the time goes, e.g. whether the
-    # few tree steps of a load that mostly decodes plainly cost more than they win
-    shapes: dict = field(default_factory=dict)
+    """Where the iterations' time went, by (batch size, levels asked of the speculators): e.g. whether
+    the few tree steps of a load that mostly decodes plainly cost more than they win."""
+
+    shapes: dict = field(default_factory=dict)  # (batch size, levels) -> [iterations, wall time]
+    verify_s: float = 0.0  # of the wall time, the verifier's step
+    draft_s: float = 0.0  # of the wall time, the slowest speculator's tree building
 
     def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float) -> None:
-        self.iterations += 1
-        self.batch_sum += batch_size
-        self.busy_s += busy_s
-        self.verify_s += verify_s
-        self.draft_s += draft_s
         shape = self.shapes.setdefault((batch_size, levels), [0, 0.0])
         shape[0] += 1
         shape[1] += busy_s
+        self.verify_s += verify_s
+        self.draft_s += draft_s
 
     def summary(self) -> dict:
-        n = max(self.iterations, 1)
-        return {"iterations": self.iterations, "mean_batch": self.batch_sum / n,
-                "ms_per_iteration": 1e3 * self.busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
+        iterations = sum(k for k, _ in self.shapes.values())
+        busy_s = sum(t for _, t in self.shapes.values())
+        n = max(iterations, 1)
+        return {"iterations": iterations, "mean_batch": sum(b * k for (b, _), (k, _) in self.shapes.items()) / n,
+                "ms_per_iteration": 1e3 * busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
                 "draft_ms": 1e3 * self.draft_s / n,
-                "overhead_ms": 1e3 * (self.busy_s - self.verify_s - self.draft_s) / n,
+                "overhead_ms": 1e3 * (busy_s - self.verify_s - self.draft_s) / n,
                 "by_batch_and_levels": {f"{b}x{m}": {"iterations": k, "ms": round(1e3 * t / k, 2)}
                                         for (b, m), (k, t) in sorted(self.shapes.items())}}
 
@@ -221,11 +218,12 @@ class Scheduler:
                 self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
         draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
+        levels = max(map(len, plans.values()), default=0)  # deepest tree asked of the speculators
         if self.controller is not None and steady:
             on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in trees]
             self.controller.record(Step(
                 batch_size=len(batch), depth=depth, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
-                draft_levels=max(map(len, plans.values()), default=0),
+                draft_levels=levels,
                 draft_nodes=sum(tree_size(p) for p in plans.values()),
                 seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
                 accepted=[(len(r) - 1, len(plans[s.id])) for s, r in on_server],
@@ -255,9 +253,9 @@ class Scheduler:
                 metrics.E2E.observe(now - s.arrived)
                 self._retire(s, reason)
         metrics.BATCH_SIZE.observe(len(batch))
-        metrics.ITERATION.observe(time.perf_counter() - start)
-        self.stats.add(len(batch), max(map(len, plans.values()), default=0), time.perf_counter() - start,
-                       step_ns / 1e9, draft_ns / 1e9)
+        busy_s = time.perf_counter() - start
+        metrics.ITERATION.observe(busy_s)
+        self.stats.add(len(batch), levels, busy_s, step_ns / 1e9, draft_ns / 1e9)
 
     def _admit(self) -> None:
         budget = self.max_prefill_tokens

@@ -173,8 +173,8 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Path, desc, every_s=300.0):
     """AdamW with warmup + cosine decay; loss_of_step() draws its own batch from `gen` and returns the
-    loss, computed under bf16 autocast (twice as fast as fp32 on a CPU with AVX512-BF16). The model, the optimizer and `gen` are saved to `ckpt` every `every_s` seconds and the run
-    resumes from there."""
+    loss, computed under bf16 autocast (twice as fast as fp32 on a CPU with AVX512-BF16). The model,
+    the optimizer and `gen` are saved to `ckpt` every `every_s` seconds and the run resumes from there."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
     start = 0
     if ckpt.exists():

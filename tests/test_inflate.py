@@ -1,7 +1,8 @@
 """Cost-realistic benchmark models: an inflated checkpoint (wider, more heads, wider MLP, deeper)
 predicts exactly what its source predicts: logits within float32 rounding (1e-5 absolute plus 1e-5
 relative: the three-cycle shipped LLM's logits are larger, and a difference of 1.05e-5 on a logit of
-4.5 came from the 10 inflated layers summing in another order), by transformers and by our runner, and identical greedy outputs."""
+4.5 came from the 10 inflated layers summing in another order), by transformers and by our runner,
+and identical greedy outputs."""
 
 from __future__ import annotations
 
