@@ -298,6 +298,15 @@ def without(ids: torch.Tensor, probs: torch.Tensor, tokens: torch.Tensor) -> tor
     return (rest / rest.sum(-1, keepdim=True).clamp(min=1e-12)).to(probs.dtype)
 
 
+def sharpened(probs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The sparse distributions `probs` [..., K] at a lower temperature: raised to 1/T and renormalized
+    (T=1: unchanged). A drafter is judged by its argmax; sharper targets put more of its capacity there."""
+    if temperature == 1.0:
+        return probs
+    p = probs.float().clamp(min=1e-12) ** (1.0 / temperature)
+    return (p / p.sum(-1, keepdim=True)).to(probs.dtype)
+
+
 def truncated(source, cfg: LlamaConfig) -> LlamaForCausalLM:
     """A model of `cfg` (the source's width, as many layers or fewer) that starts from the source's
     embedding, its first layers and its final norm: a copy when `cfg` is the source's."""
@@ -307,11 +316,32 @@ def truncated(source, cfg: LlamaConfig) -> LlamaForCausalLM:
     return model
 
 
-def save(model, tokenizer, path: Path, vocab: list[int] | None = None):
+@torch.no_grad()
+def calibration(model, seqs, ids, probs, vocab: torch.Tensor | None, windows: int = 512) -> float:
+    """The factor on a drafter's logits that maximizes the share of drafts speculative sampling
+    accepts at T=1, sum_x min(p(x), q(x)), against the LLM's top-k distributions `probs` (not
+    sharpened) on the first `windows` windows, q being the drafter's softmax over its draft vocabulary.
+    Sharper targets raise the argmax agreement, and leave the logits too large for sampling."""
+    logits = torch.cat([model(input_ids=seqs[i : i + 64]).logits.float() for i in range(0, windows, 64)])
+    if vocab is not None:
+        logits = spread_vocab(logits[..., vocab], vocab, logits.shape[-1])
+    p = probs[:windows].float()
+    accepted = lambda s: torch.minimum(p, (s * logits).softmax(-1).gather(-1, ids[:windows].long())).sum(-1).mean()  # noqa: E731
+    return max((round(0.3 + 0.05 * k, 2) for k in range(25)), key=accepted)
+
+
+def save(model, tokenizer, path: Path, vocab: list[int] | None = None, scale: float = 1.0):
     """The model rounded to bf16 (in place, so that what follows uses what ships), its tokenizer and,
-    for a drafter, its draft vocabulary."""
+    for a drafter, its draft vocabulary. `scale` multiplies the final norm's weight in what ships,
+    hence the logits (a drafter's calibration; its argmax stays)."""
     path.mkdir(parents=True, exist_ok=True)
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    model.to(torch.bfloat16)
+    with torch.no_grad():
+        norm = model.model.norm.weight
+        kept = norm.clone()
+        norm.mul_(scale)
+        model.save_pretrained(path, safe_serialization=True)
+        norm.copy_(kept)
     model.float()
     tokenizer.save_pretrained(path)
     if vocab is not None:
@@ -395,10 +425,12 @@ def main():
                     help="start from the LLM (and tokenizer) in this directory, taken as the result of every "
                          "--llm-steps cycle but the last: trains a shipped LLM further without its checkpoints")
     ap.add_argument("--ssm-steps", type=int, default=300)
-    ap.add_argument("--distill-samples", type=int, default=16384)
+    ap.add_argument("--distill-samples", type=lambda v: [int(x) for x in v.split(",")], default=[16384, 8192],
+                    help="LLM windows both SSMs are trained on, in sets generated and cached one by one, "
+                         "comma-separated: appending a set adds windows without regenerating the others")
     ap.add_argument("--distill-epochs", type=int, default=6)
-    ap.add_argument("--boost-samples", type=int, default=16384,
-                    help="LLM windows SSM 1 is boost-tuned on: the distillation set's, then more of their own")
+    ap.add_argument("--distill-temperature", type=float, default=0.5,
+                    help="temperature the LLM's top-k targets are sharpened to for both SSMs (1: as the LLM gives them)")
     ap.add_argument("--boost-epochs", type=int, default=2, help="epochs of SSM 1's boost-tuning from SSM 0")
     ap.add_argument("--draft-vocab", type=int, default=2048,
                     help="tokens the SSMs draft from: the corpus's most frequent (the vocabulary size: all)")
@@ -470,19 +502,21 @@ def train(args, work: Path, train_files, heldout_files):
     # the SSMs' base: the LLM's embedding, first layer and final norm, pretrained further on its own
     base = truncated(llm, ssm_cfg)
     train_lm(base, data, args.ssm_steps, 256, 16, 2e-3, seeded(2), work / "ssm-base.ckpt", "SSM base pretraining")
-    seqs, top_ids, top_probs = distillation_set(llm, data, args.distill_samples, seeded(3), work / "distill")
+    # the distillation windows, set by set (set 2 keeps the seed it had when SSM 1 alone trained on it)
+    sets = [distillation_set(llm, data, n, seeded(3 if k == 0 else 5 + k), work / ("distill" if k == 0 else f"distill-{k + 1}"))
+            for k, n in enumerate(args.distill_samples)]
+    seqs, top_ids, top_probs = (torch.cat(part) for part in zip(*sets))
+    targets = sharpened(top_probs, args.distill_temperature)
     everywhere = torch.ones(seqs.shape, dtype=torch.float)
-    recipe = f"{args.distill_samples}x{args.distill_epochs}"  # the SSMs' checkpoints belong to their recipe
+    recipe = "+".join(map(str, args.distill_samples)) + f"x{args.distill_epochs}"  # the SSMs' checkpoints belong to their recipe
+    if args.distill_temperature != 1.0:
+        recipe += f"-T{args.distill_temperature:g}"
 
     ssm0 = truncated(base, ssm_cfg)
-    distill(ssm0, seqs, top_ids, top_probs, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
+    distill(ssm0, seqs, top_ids, targets, everywhere, args.distill_epochs, 32, 2e-3, seeded(4),
             work / f"ssm-0-{recipe}.ckpt", "SSM 0 distillation")
-    save(ssm0, tokenizer, args.out / "ssm-0", vocab)  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
-    # SSM 1's data: the distillation set and, past its size, more LLM windows of their own
-    extra = args.boost_samples - args.distill_samples
-    if extra > 0:
-        more = distillation_set(llm, data, extra, seeded(6), work / "boost-extra")
-        seqs, top_ids, top_probs = (torch.cat(pair) for pair in zip((seqs, top_ids, top_probs), more))
+    draft_vocab = None if vocab is None else torch.tensor(vocab)
+    save(ssm0, tokenizer, args.out / "ssm-0", vocab, calibration(ssm0, seqs, top_ids, top_probs, draft_vocab))  # rounded to bf16 in place: SSM 1 complements the SSM 0 that ships
     guess0 = argmax_tokens(ssm0, seqs)
     marked = (guess0 == top_ids[..., 0]).float()  # SpecInfer's "marked" samples: SSM 0 already right
 
@@ -490,14 +524,13 @@ def train(args, work: Path, train_files, heldout_files):
     # LLM's distribution without SSM 0's guess there: a merged tree already holds that guess, so SSM 1 is
     # worth most where it proposes the LLM's token among the others.
     ssm1 = truncated(ssm0, ssm_cfg)
-    boost = ("" if extra <= 0 else f"{args.boost_samples}x") + str(args.boost_epochs)
-    distill(ssm1, seqs, top_ids, without(top_ids, top_probs, guess0), 1 - marked, args.boost_epochs, 32, 2e-3,
-            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{boost}.ckpt", "SSM 1 boost-tuning")
+    distill(ssm1, seqs, top_ids, without(top_ids, targets, guess0), 1 - marked, args.boost_epochs, 32, 2e-3,
+            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{args.boost_epochs}.ckpt", "SSM 1 boost-tuning")
     hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
           f"either {torch.maximum(marked, hit1).mean():.3f}")
-    save(ssm1, tokenizer, args.out / "ssm-1", vocab)
+    save(ssm1, tokenizer, args.out / "ssm-1", vocab, calibration(ssm1, seqs, top_ids, top_probs, draft_vocab))
 
 
 if __name__ == "__main__":

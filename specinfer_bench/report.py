@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ def median_ms(fn, repeats: int) -> float:
 
 def command_line(prog: str, argv: list[str] | None) -> str:
     """The command that ran a benchmark, as recorded beside its results."""
-    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+    return f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
 
 
 def machine() -> str:

@@ -29,7 +29,7 @@ from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
 
-from .report import machine, plot_services, services_markdown
+from .report import command_line, machine, plot_services, services_markdown
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
@@ -112,8 +112,7 @@ def main() -> None:
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
     rows = measure(args.llm, args.ssm or default_ssms(), prompts, reference, configs, levels,
                    args.requests_per_stream, args.max_new_tokens, args.rounds)
-    meta = {"machine": machine(), "command": "python -m specinfer_bench.services " + " ".join(
-        f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items())}
+    meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     text = services_markdown(rows, meta, args.max_new_tokens, args.rounds)
