@@ -362,7 +362,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         return {"object": "list", "data": [{
             "id": info.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
             "specinfer": {"expansion": list(info.expansion), "tree_budget": info.tree_budget,
-                          "speculators": info.speculators, "context_length": info.context_length,
+                          "speculators": info.speculators, "context_lookup_mask": info.context_lookup_mask,
+                          "context_length": info.context_length,
                           "default_max_new_tokens": info.default_max_new_tokens,
                           "max_new_tokens_cap": info.max_new_tokens_cap}}]}
 

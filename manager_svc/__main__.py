@@ -51,6 +51,10 @@ class ManagerConfig(ServerConfig):
     adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none) from a cost "
                                   "model fitted online and the measured acceptance; off: the whole expansion "
                                   "within the tree budget")
+    context_lookup: bool = option(True, "also draft, here, from each request's own earlier text: the tokens that followed "
+                                        "the latest earlier occurrence of its last 1-3 tokens, a chain as deep as the "
+                                        "speculators' trees, merged with them (code and loops repeat; a 1-layer SSM "
+                                        "cannot copy from its context); only with speculators")
     kv_cache_share: float = option(1.0, "fraction of the verifier's KV cache this manager may reserve "
                                         "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")
@@ -89,12 +93,13 @@ async def main(cfg: ManagerConfig) -> None:
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
-        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget)
+        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
+        context_lookup_mask=1 << len(speculators) if cfg.context_lookup and speculators else 0)
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           SpeculationController() if cfg.adaptive and speculators else None,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
-                          kv_block_size=max(vinfo.kv_block_size, 1))
+                          kv_block_size=max(vinfo.kv_block_size, 1), lookup=cfg.context_lookup)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)

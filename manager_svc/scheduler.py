@@ -7,7 +7,9 @@ truth. Each iteration:
      cache: each running request reserves the slots it can ever hold there (prompt +
      max_new_tokens + its largest merged draft tree, in whole blocks), so a step never finds the
      verifier's pool full and nothing admitted has to be dropped;
-  2. ask every speculator, concurrently, for the batch's draft trees and merge them per request;
+  2. ask every speculator, concurrently, for the batch's draft trees and merge them per request
+     (with context lookup on, also with a chain drafted here from the request's own earlier text:
+     specinfer/lookup.py, a dictionary lookup per request);
   3. one batched Verify: a new request's prompt rides in the same batch as the others' trees;
   4. append each request's accepted tokens, stream them, retire finished requests and release
      their state on every service (piggybacked on the next messages, or sent at once when idle).
@@ -18,7 +20,7 @@ controller (controller.py) picks each iteration's depth of the server's trees fr
 fitted online and the measured acceptance, down to none (plain incremental decoding). A request
 that fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
 
-Nothing here computes: the event loop only moves token IDs. It knows nothing of protobuf.
+Nothing here runs a model: the event loop moves token IDs. It knows nothing of protobuf.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specinfer.generate import Request, append_tokens
+from specinfer.lookup import ContextIndex, chain_tree
 from specinfer.tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
 from specinfer_rpc.server import Abort
 
@@ -75,6 +78,7 @@ class Sequence:
     done: bool = False
     arrived: float = field(default_factory=time.monotonic)  # when accepted
     last_chunk: float = 0.0  # when its last chunk was produced (0: none yet)
+    context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
 
     @property
     def id(self) -> str:
@@ -117,9 +121,10 @@ class Scheduler:
     def __init__(self, verifier: VerifierClient, speculators: list[SpeculatorReplicas], eos: set[int],
                  expansion: list[int], tree_budget: int, max_batch: int, max_queue: int,
                  max_prefill_tokens: int, controller: SpeculationController | None = None,
-                 kv_tokens: int = 0, kv_block_size: int = 1):
+                 kv_tokens: int = 0, kv_block_size: int = 1, lookup: bool = False):
         self.verifier = verifier
         self.speculators = speculators
+        self.lookup = lookup and bool(speculators)  # context lookup joins the speculators' trees (source number N)
         self.eos = eos
         self.expansion = expansion
         self.tree_budget = tree_budget
@@ -276,9 +281,9 @@ class Scheduler:
 
     def _kv_need(self, seq: Sequence) -> int:
         """Verifier KV slots the request can ever hold, in whole blocks: its whole record plus the
-        largest tree the speculators can send it (merging unions their trees)."""
+        largest tree the speculators (and context lookup, a chain) can send it (merging unions their trees)."""
         tree = tree_size(seq.expansion) if seq.expansion is not None else min(tree_size(self.expansion), self.tree_budget)
-        slots = len(seq.request.prompt) + seq.request.max_new_tokens + tree * len(self.speculators)
+        slots = len(seq.request.prompt) + seq.request.max_new_tokens + tree * (len(self.speculators) + self.lookup)
         return -(-slots // self.kv_block_size) * self.kv_block_size
 
     def _full_trees(self, batch_size: int) -> list[int]:
@@ -311,8 +316,9 @@ class Scheduler:
     async def _draft(self, batch: list[Sequence], depth: int, fits: int
                      ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
-        requests that asked for their trees the trees it merged by speculator number, and the
-        expansion config each drafted request was asked for."""
+        requests that asked for their trees the trees it merged by speculator number (context
+        lookup's: the number after the speculators'), and the expansion config each drafted request
+        was asked for."""
         drafting = []
         for s in batch:
             if plan := self._plan(s, depth):
@@ -327,8 +333,12 @@ class Scheduler:
             return {}, {}, {}
         answers = await asyncio.gather(*(c.draft([d for _, d in drafting]) for c in self.speculators))
         merged, sources = {}, {}
-        for s, _ in drafting:
+        for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
+            if self.lookup:
+                s.context.extend(d.record[len(s.context.tokens):])
+                if chain := s.context.draft(len(d.expansion)):
+                    trees[len(answers)] = chain_tree(chain, s.request.sampling.greedy)
             if not trees:
                 s.no_tree["no speculator sent a tree in time"] += 1
                 continue

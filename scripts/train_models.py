@@ -53,6 +53,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from specinfer.lookup import ContextIndex
 from specinfer.model import DRAFT_VOCAB, read_draft_vocab, spread_vocab
 
 EOS = "<|endoftext|>"
@@ -285,6 +286,18 @@ def agrees(ssm, seqs, llm_top1, vocab: torch.Tensor | None = None) -> torch.Tens
     return (argmax_tokens(ssm, seqs, vocab) == llm_top1).float()
 
 
+def lookup_agrees(seq: torch.Tensor, llm_top1: torch.Tensor, positions: range) -> torch.Tensor:
+    """1.0 at each of `positions` where context lookup's first drafted token (specinfer.lookup) given
+    the sequence up to there equals the LLM's argmax."""
+    ctx, out = ContextIndex(), []
+    tokens = seq.tolist()
+    ctx.extend(tokens[: positions.start])
+    for i in positions:
+        ctx.extend(tokens[i : i + 1])
+        out.append(float(ctx.draft(1) == [int(llm_top1[i])]))
+    return torch.tensor(out)
+
+
 def frequent_tokens(data: torch.Tensor, k: int, vocab_size: int) -> list[int]:
     """The k token ids that occur most often in `data`, in increasing order (a draft vocabulary)."""
     counts = torch.bincount(data.long(), minlength=vocab_size)
@@ -369,7 +382,9 @@ def nats_per_byte(model, tokenizer, texts: list[str], window: int = 256) -> floa
 @torch.no_grad()
 def evaluate(out: Path, heldout: list[tuple[str, Path]], eval_bytes: int, new_tokens: int, seed: int) -> dict:
     """Held-out loss per byte (the LLM, SSM 0), split into standard-library and package files; greedy
-    agreement of each SSM and of both merged with the LLM's greedy continuations of held-out prompts."""
+    agreement of each SSM, of both merged, and of each with context lookup merged in (a chain drafted
+    from the sequence's own earlier tokens, specinfer/lookup.py) with the LLM's greedy continuations
+    of held-out prompts."""
     tokenizer = AutoTokenizer.from_pretrained(out / "llm")
     models_ = {n: LlamaForCausalLM.from_pretrained(out / n, dtype=torch.float32).eval() for n in ("llm", "ssm-0", "ssm-1")}
     order = sorted(heldout, key=lambda nf: hashlib.sha1(nf[0].encode()).digest())
@@ -405,6 +420,11 @@ def evaluate(out: Path, heldout: list[tuple[str, Path]], eval_bytes: int, new_to
     report["agreement_ssm-0"] = round(hits["ssm-0"].mean().item(), 4)
     report["agreement_ssm-1"] = round(hits["ssm-1"].mean().item(), 4)
     report["agreement_merged"] = round(torch.maximum(hits["ssm-0"], hits["ssm-1"]).mean().item(), 4)
+    lookup = torch.cat([lookup_agrees(s[0], t[0], range(s.shape[1] - new_tokens - 1, s.shape[1] - 1)) for s, t in zip(greedy, top1)])
+    report["agreement_context_lookup"] = round(lookup.mean().item(), 4)
+    report["agreement_ssm-0_or_context_lookup"] = round(torch.maximum(hits["ssm-0"], lookup).mean().item(), 4)
+    report["agreement_merged_or_context_lookup"] = round(
+        torch.maximum(torch.maximum(hits["ssm-0"], hits["ssm-1"]), lookup).mean().item(), 4)
     report["samples"] = [{"prompt": prompts[k], "continuation": tokenizer.decode(greedy[k][0, -new_tokens:])}
                          for k in range(3)]
     return report

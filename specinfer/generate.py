@@ -8,6 +8,7 @@ forward is a *step*.
 
 Modes: incremental (no speculator), sequence (SSM 0, a chain: expansion <1, ..., 1>),
 tree (SSM 0, an expansion config), merged (every SSM with the same config, trees merged).
+With `lookup`, a chain drafted from the request's own earlier text (lookup.py) joins the merge.
 The gRPC manager runs the same loop with continuous batching; this one serves the CLI, the tests
 and the benchmarks.
 """
@@ -20,6 +21,7 @@ from enum import Enum
 from tqdm import tqdm
 
 from .graphs import GraphConfig
+from .lookup import ContextIndex, chain_tree
 from .model import LlamaModel, check_token_ids
 from .sampling import SamplingParams
 from .speculator import DraftRequest, Speculator
@@ -79,7 +81,8 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
 
 class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
-                 expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig()):
+                 expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
+                 lookup: bool = False):
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms:
             raise ValueError(f"mode {mode.value} needs at least one SSM")
@@ -93,6 +96,7 @@ class Engine:
         self.speculators = [Speculator(m, index=i, graphs=graphs) for i, m in enumerate(used)]
         self.verifier = Verifier(llm, graphs=graphs)
         self.replacement = replacement
+        self.lookup = lookup and mode != Mode.INCREMENTAL
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -104,6 +108,7 @@ class Engine:
         eos = set(self.llm.cfg.eos_token_ids)
         out = {i: Generation(i, []) for i in ids}
         told = {(s, i): 0 for s in range(len(self.speculators)) for i in ids}  # tokens sent so far
+        contexts = {i: ContextIndex() for i in ids} if self.lookup else {}
         live = dict(zip(ids, requests))
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
 
@@ -125,13 +130,15 @@ class Engine:
                     for s in self.speculators:
                         s.release(vr.request_id)
             first = False
-            trees = self._draft(live, out, told)
+            trees = self._draft(live, out, told, contexts)
             batch = [VerifyRequest(i, [], trees[i], r.sampling) for i, r in live.items()]
         bar.close()
         return [out[i] for i in ids]
 
-    def _draft(self, live: dict[str, Request], out: dict[str, Generation], told: dict) -> dict[str, TokenTree]:
+    def _draft(self, live: dict[str, Request], out: dict[str, Generation], told: dict,
+               contexts: dict[str, ContextIndex]) -> dict[str, TokenTree]:
         per_request: dict[str, list[TokenTree]] = {i: [] for i in live}
+        depth = {i: min(len(self.expansion), req.max_new_tokens - len(out[i].token_ids) - 1) for i, req in live.items()}
         for s, spec in enumerate(self.speculators):
             batch = []
             for i, req in live.items():
@@ -140,11 +147,17 @@ class Engine:
                 new = req.prompt[sent:] + generated[max(0, sent - p):]
                 told[s, i] = p + len(generated)
                 # never draft past max_new_tokens: a step emits the accepted path plus one bonus
-                depth = min(len(self.expansion), req.max_new_tokens - len(generated) - 1)
-                batch.append(DraftRequest(i, new, self.expansion[:depth], req.sampling, self.replacement))
+                batch.append(DraftRequest(i, new, self.expansion[:depth[i]], req.sampling, self.replacement))
             for dr, tree in zip(batch, spec.draft(batch)):
                 per_request[dr.request_id].append(tree)
-        return {i: (trees[0] if len(trees) == 1 else merge(trees)) for i, trees in per_request.items()}
+        for i, ctx in contexts.items():
+            if i in live:
+                record = live[i].prompt + out[i].token_ids
+                ctx.extend(record[len(ctx.tokens):])
+                if draft := ctx.draft(depth[i]):
+                    per_request[i].append(chain_tree(draft, live[i].sampling.greedy))
+        return {i: (TokenTree() if not trees else trees[0] if len(trees) == 1 else merge(trees))
+                for i, trees in per_request.items()}
 
 
 def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:

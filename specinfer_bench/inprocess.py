@@ -8,25 +8,25 @@ from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 
-CONFIGS = [  # (label, mode, expansion)
-    ("ours incremental", Mode.INCREMENTAL, []),
-    ("ours sequence <1x4>", Mode.SEQUENCE, [1] * 4),
-    ("ours sequence <1x8>", Mode.SEQUENCE, [1] * 8),
-    ("ours tree <2,1,1>", Mode.TREE, [2, 1, 1]),
-    ("ours tree <1,1,3,1,1,1,1,1>", Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1]),
-    ("ours tree <2,2,2,1,1,1,1,1>", Mode.TREE, [2, 2, 2, 1, 1, 1, 1, 1]),
-    ("ours merged <2,1,1>", Mode.MERGED, [2, 1, 1]),
-    ("ours merged <2,2,2,1,1,1,1,1>", Mode.MERGED, [2, 2, 2, 1, 1, 1, 1, 1]),
+CONFIGS = [  # (label, mode, expansion, context lookup)
+    ("ours incremental", Mode.INCREMENTAL, [], False),
+    ("ours sequence <1x4>", Mode.SEQUENCE, [1] * 4, False),
+    ("ours sequence <1x8>", Mode.SEQUENCE, [1] * 8, False),
+    ("ours tree <2,1,1>", Mode.TREE, [2, 1, 1], False),
+    ("ours tree <1,1,3,1,1,1,1,1>", Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1], False),
+    ("ours tree <2,2,2,1,1,1,1,1>", Mode.TREE, [2, 2, 2, 1, 1, 1, 1, 1], False),
+    ("ours merged <2,1,1>", Mode.MERGED, [2, 1, 1], False),
+    ("ours merged <2,2,2,1,1,1,1,1>", Mode.MERGED, [2, 2, 2, 1, 1, 1, 1, 1], False),
 ]
 QUICK = {"ours incremental", "ours sequence <1x4>", "ours tree <2,1,1>", "ours tree <1,1,3,1,1,1,1,1>",
          "ours merged <2,1,1>"}
 
 
 def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int], prompts: list[list[int]],
-        max_new_tokens: int, temperature: float) -> tuple[list[list[int]], dict]:
+        max_new_tokens: int, temperature: float, lookup: bool = False) -> tuple[list[list[int]], dict]:
     """Outputs and figures: tokens, LLM forwards (prefill included), per-request seconds, and the
     acceptance by depth (share of steps whose accepted path reached depth d)."""
-    engine = Engine(llm, ssms, mode, expansion)
+    engine = Engine(llm, ssms, mode, expansion, lookup=lookup)
     outs, seconds, forwards = [], [], 0
     reached = [0] * len(expansion)
     steps = 0

@@ -3,7 +3,8 @@
 On the held-out prompts with the shipped models (or --llm/--ssm), one request at a time:
 transformers' incremental generate (the baseline), transformers' assisted generation with SSM 0
 (at its default and at each fixed number of assistant tokens, the best one reported as such), and
-ours in-process (incremental, sequence, tree configs and the tree-shape search's pick, merged),
+ours in-process (incremental, sequence, tree configs and the tree-shape search's pick, alone and with
+context lookup merged in, merged SSMs),
 greedy and at T=0.8; then ours through the services at several concurrencies with speculation on
 and off. The tree-shape search runs first, on rank acceptance and step costs measured here. Every
 greedy output is checked identical to transformers' incremental generate before any figure is
@@ -73,8 +74,11 @@ def main(args) -> int:
     configs = [c for c in inprocess.CONFIGS if not args.quick or c[0] in inprocess.QUICK]
     found = search_tree(llm_dir, ssm_dirs[0], prompts, reference, llm_hf, ssm_hf)
     picked = found["best"]["expansion"]
-    if picked and not any(mode == Mode.TREE and e == picked for _, mode, e in configs):
-        configs.append((f"ours tree <{','.join(map(str, picked))}> (search's pick)", Mode.TREE, picked))
+    if picked:
+        name = f"ours tree <{','.join(map(str, picked))}>"
+        if not any(mode == Mode.TREE and e == picked and not lookup for _, mode, e, lookup in configs):
+            configs.append((f"{name} (search's pick)", Mode.TREE, picked, False))
+        configs.append((f"{name} + context lookup", Mode.TREE, picked, True))
     ks = [2, 4] if args.quick else [1, 2, 3, 4, 6, 8]
     temperatures = [0.0] if args.quick else [0.0, 0.8]
     steps = len(temperatures) * (2 + len(ks) + len(configs))
@@ -95,8 +99,8 @@ def main(args) -> int:
         record("transformers assisted (best fixed k)", t, outs, figures, {"assistant_tokens": k})
         ssm_hf.generation_config.num_assistant_tokens = None
         ssm_hf.generation_config.num_assistant_tokens_schedule = None
-        for label, mode, expansion in configs:
-            outs, figures = inprocess.run(llm, ssms, mode, expansion, prompts, max_new, t)
+        for label, mode, expansion, lookup in configs:
+            outs, figures = inprocess.run(llm, ssms, mode, expansion, prompts, max_new, t, lookup)
             record(label, t, outs, figures, {"tree_nodes": tree_size(expansion)} if expansion else None)
             bar.update()
     bar.close()
@@ -114,8 +118,9 @@ def main(args) -> int:
         services_rows = measure(llm_dir, ssm_dirs, prompts, short, svc_configs, levels,
                                 requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
     for r in single:
-        if r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]:
-            expansion = next(e for label, _, e in configs if label == r["config"])
+        if (r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]
+                and "lookup" not in r["config"]):  # the search's model knows SSM 0 alone
+            expansion = next(e for label, _, e, _ in configs if label == r["config"])
             r["predicted_tokens_per_step"] = tree_search.expected_tokens_per_step(expansion, found["rank_acceptance"])
 
     result = {"command": "specinfer bench " + " ".join(sys.argv[2:]), "machine": machine(), "prompts": len(prompts),

@@ -33,12 +33,16 @@ from .report import command_line, machine, plot_services, services_markdown
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
-    """'off', or EXPANSION@TREE_BUDGET[@static] (@static: without the adaptive controller)."""
+    """'off', or EXPANSION@TREE_BUDGET[@static][@nolookup] (@static: without the adaptive controller;
+    @nolookup: without the manager's context lookup)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     if config != "off":
-        expansion, budget, *static = config.split("@")
+        expansion, budget, *options = config.split("@")
+        if unknown := set(options) - {"static", "nolookup"}:
+            raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} (static, nolookup)")
         flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
-                  "--no-adaptive" if static else "--adaptive"]
+                  "--no-adaptive" if "static" in options else "--adaptive",
+                  "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
     return flags
 
 

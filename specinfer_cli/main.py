@@ -73,7 +73,7 @@ def load_engine(args) -> Engine:
     ssm_dirs = [] if args.mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
     ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
     expansion = PAPER_EXPANSION if args.expansion is None else parse_expansion(args.expansion)
-    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement)
+    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement, lookup=args.context_lookup)
 
 
 def cmd_generate(args) -> int:
@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(gen)
     gen.add_argument("--draft-replacement", action="store_true",
                      help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
+    gen.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
+                     help="in-process: also draft from each request's own earlier text, merged with the SSMs' trees "
+                          "(through a server, its manager's --context-lookup decides)")
     add_client_flags(gen)
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="benchmark against transformers and through the services (specinfer_bench)")

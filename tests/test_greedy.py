@@ -49,17 +49,18 @@ def reference(shipped, heldout_prompts):
     return prompts, [hf_greedy(hf, p, NEW_TOKENS, eos=llm.cfg.eos_token_ids[0]) for p in prompts]
 
 
-@pytest.mark.parametrize("mode,expansion", [
-    (Mode.INCREMENTAL, None),
-    (Mode.SEQUENCE, [1] * 8),
-    (Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1]),
-    (Mode.TREE, [2, 2, 2, 1, 1]),
-    (Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1]),
-])
-def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, expansion):
+@pytest.mark.parametrize("mode,expansion,lookup", [
+    (Mode.INCREMENTAL, None, False),
+    (Mode.SEQUENCE, [1] * 8, False),
+    (Mode.TREE, [1, 1, 3, 1, 1, 1, 1, 1], False),
+    (Mode.TREE, [2, 2, 2, 1, 1], False),
+    (Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1], False),
+    (Mode.TREE, [1, 1, 1], True),
+], ids=["incremental", "sequence", "tree", "wide-tree", "merged", "tree-with-context-lookup"])
+def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, expansion, lookup):
     _, _, llm, ssms = shipped
     prompts, want = reference
-    gens = Engine(llm, ssms, mode, expansion).generate([Request(p, NEW_TOKENS) for p in prompts])
+    gens = Engine(llm, ssms, mode, expansion, lookup=lookup).generate([Request(p, NEW_TOKENS) for p in prompts])
     assert [g.token_ids for g in gens] == want
     if mode != Mode.INCREMENTAL:
         assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"

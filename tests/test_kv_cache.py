@@ -119,7 +119,7 @@ def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
     refused with INVALID_ARGUMENT naming max_new_tokens."""
     prompts, new = heldout_ids[:6], 100
     defaults = ManagerConfig()
-    tree = min(tree_size(defaults.expansion), defaults.tree_budget) * 2  # the server's tree from each of two speculators
+    tree = min(tree_size(defaults.expansion), defaults.tree_budget) * 3  # each of two speculators and context lookup
     needs = [-(-(len(p) + new + tree) // 16) * 16 for p in prompts]
     kv = 2 * max(needs)
     system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0,

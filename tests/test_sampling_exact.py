@@ -99,8 +99,9 @@ def markov_exact(P: torch.Tensor, start: int, params: SamplingParams, skip: int,
     return exact
 
 
-def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4, graphs=GraphConfig()):
-    engine = Engine(llm, ssms, mode, expansion, replacement, graphs)
+def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4, graphs=GraphConfig(),
+        lookup=False):
+    engine = Engine(llm, ssms, mode, expansion, replacement, graphs, lookup)
     reqs = [Request(list(prompt), new_tokens, SamplingParams(params.temperature, params.top_k, params.top_p, seed=s))
             for s in range(n)]
     return engine.generate(reqs)
@@ -111,22 +112,28 @@ P_LLM = random_chain(0, V, 1.5)
 P_SSM = [random_chain(1, V, 1.5), random_chain(2, V, 1.5)]
 T08 = SamplingParams(temperature=0.8)
 
+LOOKUP_PROMPT = (1, 2, 3, 0, 2, 1, 3, 0)  # every token occurs before the last: context lookup always drafts
+
 VARIANTS = {
-    # name: (mode, number of SSMs, expansion, draws with replacement, sampling)
-    "with_replacement": (Mode.TREE, 1, [2, 2, 2], True, T08),
-    "without_replacement": (Mode.TREE, 1, [3, 2, 2], False, T08),
-    "merged_two_ssms": (Mode.MERGED, 2, [2, 2, 2], False, T08),
-    "merged_with_replacement": (Mode.MERGED, 2, [2, 1, 2], True, T08),
-    "sequence": (Mode.SEQUENCE, 1, [1, 1, 1], False, T08),
-    "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], False, SamplingParams(temperature=1.3, top_k=3, top_p=0.8)),
+    # name: (mode, number of SSMs, expansion, draws with replacement, sampling, context lookup)
+    "with_replacement": (Mode.TREE, 1, [2, 2, 2], True, T08, False),
+    "without_replacement": (Mode.TREE, 1, [3, 2, 2], False, T08, False),
+    "merged_two_ssms": (Mode.MERGED, 2, [2, 2, 2], False, T08, False),
+    "merged_with_replacement": (Mode.MERGED, 2, [2, 1, 2], True, T08, False),
+    "sequence": (Mode.SEQUENCE, 1, [1, 1, 1], False, T08, False),
+    "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], False, SamplingParams(temperature=1.3, top_k=3, top_p=0.8), False),
+    "tree_and_context_lookup": (Mode.TREE, 1, [2, 1, 2], False, T08, True),
+    "merged_with_replacement_and_context_lookup": (Mode.MERGED, 2, [1, 2, 1], True, T08, True),
 }
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_markov_emitted_tokens_follow_the_llm_distribution(name):
-    mode, n_ssm, expansion, replacement, params = VARIANTS[name]
+    """With context lookup, its point-mass drafts join the merge (the prompt makes it draft at every step)."""
+    mode, n_ssm, expansion, replacement, params, lookup = VARIANTS[name]
     llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM[:n_ssm]]
-    gens = run(llm, ssms, mode, expansion, params, n=6000, replacement=replacement)
+    gens = run(llm, ssms, mode, expansion, params, n=6000, replacement=replacement,
+               prompt=LOOKUP_PROMPT if lookup else (0,), lookup=lookup)
     # token 1 comes from the prefill; tokens 2-4 from the first speculative step (depth <= 2)
     assert sum(g.accepted[0] for g in gens) > 0.3 * len(gens), "drafts were hardly ever accepted"
     samples = [tuple(g.token_ids[1:4]) for g in gens]

@@ -48,8 +48,8 @@ def test_greedy_outputs_through_the_services_match_incremental_decoding(system, 
 
 def test_draft_trees_on_request_show_each_steps_tree_and_its_accepted_path(system, heldout_ids):
     """Asked for, each step's message carries the merged tree it verified (which of the two
-    speculators proposed each node) and the accepted nodes, whose tokens begin the step's tokens;
-    not asked for, no message carries a tree."""
+    speculators and the manager's context lookup, bit 2, proposed each node) and the accepted nodes,
+    whose tokens begin the step's tokens; not asked for, no message carries a tree."""
     prompt, n = heldout_ids[0], 40
 
     async def go(trees: bool):
@@ -63,11 +63,12 @@ def test_draft_trees_on_request_show_each_steps_tree_and_its_accepted_path(syste
     for m in messages:
         t = m.draft_tree
         assert len(t.parents) == len(t.token_ids) == len(t.speculators)
-        assert all(0 < bits < 4 for bits in t.speculators)
+        assert all(0 < bits < 8 for bits in t.speculators)
         assert [t.parents[u] for u in t.accepted] == [-1, *t.accepted][:len(t.accepted)]  # a path from the root
         assert [t.token_ids[u] for u in t.accepted] == list(m.token_ids[:len(t.accepted)])
         if not m.finish_reason:  # the accepted path and the LLM's own token
             assert len(m.token_ids) == len(t.accepted) + 1
+    assert any(bits & 4 for m in messages for bits in m.draft_tree.speculators), "context lookup never drafted"
     assert sum(len(m.draft_tree.accepted) for m in messages) == messages[-1].usage.accepted_draft_tokens > 0
     assert messages[-1].usage.tree_steps == sum(len(m.draft_tree.token_ids) > 0 for m in messages)
     assert not any(m.HasField("draft_tree") for m in asyncio.run(go(False)))
@@ -187,6 +188,7 @@ def test_model_info_tokenize_and_health_and_reflection(system):
     info, text = asyncio.run(go())
     assert info.vocab_size == VOCAB and info.context_length == 2048 and list(info.eos_token_ids) == [0]
     assert info.speculators == 2 and list(info.expansion) == [1, 1, 1] and info.tree_budget == 3
+    assert info.context_lookup_mask == 4  # bit 2 of a tree node's speculators: after the two speculators
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     for s in system.services:

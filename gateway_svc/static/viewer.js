@@ -111,7 +111,7 @@ async function loadModels() {
     $('server').textContent = `${server.id} · default expansion ${(s.expansion || []).join(',') || '–'}` +
       ` · tree budget ${s.tree_budget ?? '–'} · ${s.speculators ?? 0} speculators`;
     $('speculation').options[0].textContent = `server default (${(s.expansion || []).join(',') || 'none'})`;
-    drawLegend(s.speculators || 0);
+    drawLegend((s.speculators || 0) + (s.context_lookup_mask ? 1 : 0));
     if ($('error').dataset.source === 'models') showError('');
   } catch (e) {
     server = null;
@@ -443,9 +443,12 @@ function drawTree(step) {
 function drawLegend(speculators) {
   if (speculators <= legendFor && $('legend').children.length) return;
   legendFor = speculators;
+  const lookup = server?.specinfer?.context_lookup_mask || 0;  // the manager's context lookup, not an SSM
   const items = [];
-  for (let s = 0; s < speculators; s++) items.push([`SSM ${s}`, cssFill(1 << s), maskStroke(1 << s)]);
-  if (speculators > 1) items.push([speculators > 2 ? 'several SSMs' : 'both SSMs', cssFill(3), maskStroke(3)]);
+  for (let s = 0; s < speculators; s++) {
+    items.push([(1 << s) === lookup ? 'context lookup' : `SSM ${s}`, cssFill(1 << s), maskStroke(1 << s)]);
+  }
+  if (speculators > 1) items.push([speculators > 2 ? 'several drafters' : 'both', cssFill(3), maskStroke(3)]);
   items.push(['accepted path', '#ffffff', GREEN], ['★ bonus (LLM)', GREEN, GREEN]);
   $('legend').replaceChildren(...items.map(([name, fill, stroke]) => html('span', {class: 'key-item'},
     html('i', {class: 'swatch', style: `background:${fill};border-color:${stroke}`}), name)));
