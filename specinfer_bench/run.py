@@ -24,7 +24,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from specinfer.checkpoints import default_ssms, models_dir
+from specinfer.checkpoints import default_ssms, models_dir, served_ssms
 from specinfer.generate import Mode
 from specinfer.model import LlamaModel, read_draft_vocab
 from specinfer.tree import tree_size
@@ -115,7 +115,7 @@ def main(args) -> int:
         default = f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget}"  # the manager's own
         svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
-        services_rows = measure(llm_dir, ssm_dirs, prompts, short, svc_configs, levels,
+        services_rows = measure(llm_dir, args.ssm or served_ssms(), prompts, short, svc_configs, levels,
                                 requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
     for r in single:
         if (r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.checkpoints import default_ssms, models_dir
+from specinfer.checkpoints import models_dir, served_ssms
 from specinfer.generate import Request
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
@@ -114,7 +114,7 @@ def main() -> None:
 
     reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
-    rows = measure(args.llm, args.ssm or default_ssms(), prompts, reference, configs, levels,
+    rows = measure(args.llm, args.ssm or served_ssms(), prompts, reference, configs, levels,
                    args.requests_per_stream, args.max_new_tokens, args.rounds)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

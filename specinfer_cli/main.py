@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 
-from specinfer.checkpoints import DTYPES, default_ssms, models_dir
+from specinfer.checkpoints import DTYPES, default_ssms, models_dir, served_ssms
 from specinfer.generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
@@ -63,7 +63,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", type=Path, default=None, help="LLM checkpoint directory (default: shipped)")
     p.add_argument("--ssm", type=Path, action="append", default=None,
-                   help="SSM checkpoint directory, repeatable (default: the shipped SSMs)")
+                   help="SSM checkpoint directory, repeatable (default: the shipped SSMs; serve: SSM 0 alone, "
+                        "merged with the manager's context lookup)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
 
@@ -135,7 +136,7 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
-    ssms = args.ssm or default_ssms()
+    ssms = args.ssm or served_ssms()
     from specinfer_rpc.security import channel_credentials
 
     tls = [f"--tls-cert={args.tls_cert}", f"--tls-key={args.tls_key}", f"--tls-ca={args.tls_ca}",

@@ -9,7 +9,7 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DTYPES, default_ssms, resolve_device
+from specinfer.checkpoints import DTYPES, resolve_device, served_ssms
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -24,7 +24,7 @@ from .servicer import SpeculatorServicer
 class SpeculatorConfig(ModelServerConfig):
     """The speculator service: SSMs building draft token trees for batches of requests."""
 
-    ssm: list[str] = option([str(p) for p in default_ssms()[:1]],
+    ssm: list[str] = option([str(p) for p in served_ssms()],
                             "SSM checkpoint directories (comma-separated); their trees are merged")
     q_top: int = option(32, "stochastic drafts: q is truncated to its most likely q_top tokens")
     port: int = option(50052, "port to listen on (0: any free port)")

@@ -127,7 +127,7 @@ def test_serve_answers_generate_server_like_in_process_and_stops_every_process_o
     assert strip(remote.stdout) == strip(local.stdout) == strip(plain.stdout)
     assert serve.returncode == 0
     pids = [int(m) for m in re.findall(r" pid (\d+) on ", err)]
-    assert len(pids) == 5  # verifier, two speculators, manager, gateway
+    assert len(pids) == 4  # verifier, a speculator (SSM 0), manager, gateway
     for pid in pids:  # every service process is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
