@@ -8,7 +8,8 @@ forward is a *step*.
 
 Modes: incremental (no speculator), sequence (SSM 0, a chain: expansion <1, ..., 1>),
 tree (SSM 0, an expansion config), merged (every SSM with the same config, trees merged).
-With `lookup`, a chain drafted from the request's own earlier text (lookup.py) joins the merge.
+With `lookup`, a chain drafted from the request's own earlier text (lookup.py) joins the merge; with
+no SSM, it is the only drafter.
 The gRPC manager runs the same loop with continuous batching; this one serves the CLI, the tests
 and the benchmarks.
 """
@@ -84,8 +85,8 @@ class Engine:
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False):
         mode = Mode(mode)
-        if mode != Mode.INCREMENTAL and not ssms:
-            raise ValueError(f"mode {mode.value} needs at least one SSM")
+        if mode != Mode.INCREMENTAL and not ssms and not lookup:
+            raise ValueError(f"mode {mode.value} needs at least one SSM (or context lookup)")
         if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
             raise ValueError("LLM and SSMs must share a tokenizer (vocab sizes differ)")
         self.llm = llm

@@ -8,7 +8,7 @@ from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 
-CONFIGS = [  # (label, mode, expansion, context lookup)
+CONFIGS = [  # (label, mode, expansion, context lookup: False, True (merged with the SSM's trees) or None (alone, no SSM))
     ("ours incremental", Mode.INCREMENTAL, [], False),
     ("ours sequence <1x4>", Mode.SEQUENCE, [1] * 4, False),
     ("ours sequence <1x8>", Mode.SEQUENCE, [1] * 8, False),

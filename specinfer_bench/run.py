@@ -4,7 +4,7 @@ On the held-out prompts with the shipped models (or --llm/--ssm), one request at
 transformers' incremental generate (the baseline), transformers' assisted generation with SSM 0
 (at its default and at each fixed number of assistant tokens, the best one reported as such), and
 ours in-process (incremental, sequence, tree configs and the tree-shape search's pick, alone and with
-context lookup merged in, merged SSMs),
+context lookup merged in, context lookup alone, merged SSMs),
 greedy and at T=0.8; then ours through the services at several concurrencies with speculation on
 and off. The tree-shape search runs first, on rank acceptance and step costs measured here. Every
 greedy output is checked identical to transformers' incremental generate before any figure is
@@ -79,6 +79,7 @@ def main(args) -> int:
         if not any(mode == Mode.TREE and e == picked and not lookup for _, mode, e, lookup in configs):
             configs.append((f"{name} (search's pick)", Mode.TREE, picked, False))
         configs.append((f"{name} + context lookup", Mode.TREE, picked, True))
+        configs.append((f"ours context lookup alone <1x{len(picked)}>", Mode.SEQUENCE, [1] * len(picked), None))
     ks = [2, 4] if args.quick else [1, 2, 3, 4, 6, 8]
     temperatures = [0.0] if args.quick else [0.0, 0.8]
     steps = len(temperatures) * (2 + len(ks) + len(configs))
@@ -99,8 +100,9 @@ def main(args) -> int:
         record("transformers assisted (best fixed k)", t, outs, figures, {"assistant_tokens": k})
         ssm_hf.generation_config.num_assistant_tokens = None
         ssm_hf.generation_config.num_assistant_tokens_schedule = None
-        for label, mode, expansion, lookup in configs:
-            outs, figures = inprocess.run(llm, ssms, mode, expansion, prompts, max_new, t, lookup)
+        for label, mode, expansion, lookup in configs:  # lookup None: context lookup alone, no SSM
+            outs, figures = inprocess.run(llm, [] if lookup is None else ssms, mode, expansion, prompts, max_new, t,
+                                          lookup is not False)
             record(label, t, outs, figures, {"tree_nodes": tree_size(expansion)} if expansion else None)
             bar.update()
     bar.close()

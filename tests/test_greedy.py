@@ -56,11 +56,14 @@ def reference(shipped, heldout_prompts):
     (Mode.TREE, [2, 2, 2, 1, 1], False),
     (Mode.MERGED, [1, 1, 3, 1, 1, 1, 1, 1], False),
     (Mode.TREE, [1, 1, 1], True),
-], ids=["incremental", "sequence", "tree", "wide-tree", "merged", "tree-with-context-lookup"])
+    (Mode.SEQUENCE, [1, 1, 1, 1], None),
+], ids=["incremental", "sequence", "tree", "wide-tree", "merged", "tree-with-context-lookup", "context-lookup-alone"])
 def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, expansion, lookup):
+    """lookup None: context lookup is the only drafter."""
     _, _, llm, ssms = shipped
     prompts, want = reference
-    gens = Engine(llm, ssms, mode, expansion, lookup=lookup).generate([Request(p, NEW_TOKENS) for p in prompts])
+    engine = Engine(llm, [] if lookup is None else ssms, mode, expansion, lookup=lookup is not False)
+    gens = engine.generate([Request(p, NEW_TOKENS) for p in prompts])
     assert [g.token_ids for g in gens] == want
     if mode != Mode.INCREMENTAL:
         assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"
