@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .tree import DraftGroup, TokenTree
 
-MAX_N = 3  # the longest suffix looked up (held-out continuations of the shipped LLM: n <= 3 down to 1
+MAX_N = 3  # the longest suffix looked up (the shipped LLM's continuations of 160 held-out prompts: n <= 3 down to 1
            # agrees with its next token at 64% of positions; n = 2 alone, 59%)
 
 
