@@ -90,16 +90,16 @@ async def main(cfg: ManagerConfig) -> None:
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials)
                    for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
-    info = generation_pb2.ModelInfo(
-        model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
-        eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
-        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
-        context_lookup_mask=1 << len(speculators) if cfg.context_lookup and speculators else 0)
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           SpeculationController() if cfg.adaptive and speculators else None,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), lookup=cfg.context_lookup)
+    info = generation_pb2.ModelInfo(
+        model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
+        eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
+        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
+        context_lookup_mask=1 << len(speculators) if scheduler.lookup else 0)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)

@@ -144,21 +144,25 @@ class Engine:
             batch = []
             for i, req in live.items():
                 generated = out[i].token_ids
-                sent, p = told[s, i], len(req.prompt)  # the record is prompt + generated
-                new = req.prompt[sent:] + generated[max(0, sent - p):]
-                told[s, i] = p + len(generated)
+                new = record_from(req, generated, told[s, i])
+                told[s, i] = len(req.prompt) + len(generated)
                 # never draft past max_new_tokens: a step emits the accepted path plus one bonus
                 batch.append(DraftRequest(i, new, self.expansion[:depth[i]], req.sampling, self.replacement))
             for dr, tree in zip(batch, spec.draft(batch)):
                 per_request[dr.request_id].append(tree)
         for i, ctx in contexts.items():
             if i in live:
-                record = live[i].prompt + out[i].token_ids
-                ctx.extend(record[len(ctx.tokens):])
+                ctx.extend(record_from(live[i], out[i].token_ids, len(ctx.tokens)))
                 if draft := ctx.draft(depth[i]):
                     per_request[i].append(chain_tree(draft, live[i].sampling.greedy))
         return {i: (TokenTree() if not trees else trees[0] if len(trees) == 1 else merge(trees))
                 for i, trees in per_request.items()}
+
+
+def record_from(req: Request, generated: list[int], start: int) -> list[int]:
+    """The request's record (prompt + generated tokens) from index `start` on, without building the
+    whole record."""
+    return req.prompt[start:] + generated[max(0, start - len(req.prompt)):]
 
 
 def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
