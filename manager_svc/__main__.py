@@ -48,9 +48,9 @@ class ManagerConfig(ServerConfig):
     tree_budget: int = option(3, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
                                  "the whole tree for 1 request, 1 level for 2-3, none from 4: plain incremental; "
                                  "on a GPU, where a verifier step costs about the same for 1 row or 64, give it 64 or more)")
-    adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none) from a cost "
-                                  "model fitted online and the measured acceptance; off: the whole expansion "
-                                  "within the tree budget")
+    adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none, or context "
+                                  "lookup's chain alone without asking the speculators) from a cost model fitted "
+                                  "online and the measured acceptance; off: the whole expansion within the tree budget")
     context_lookup: bool = option(True, "also draft, here, from each request's own earlier text: the tokens that followed "
                                         "the latest earlier occurrence of its last 1-3 tokens, a chain as deep as the "
                                         "speculators' trees, merged with them (code and loops repeat; a 1-layer SSM "
@@ -92,7 +92,7 @@ async def main(cfg: ManagerConfig) -> None:
     await asyncio.gather(*(s.refresh() for s in speculators))
     scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                           cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
-                          SpeculationController() if cfg.adaptive and speculators else None,
+                          SpeculationController(lookup=cfg.context_lookup) if cfg.adaptive and speculators else None,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), lookup=cfg.context_lookup)
     info = generation_pb2.ModelInfo(

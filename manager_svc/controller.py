@@ -1,21 +1,24 @@
-"""How deep the server's draft trees should be at the current batch size, from a cost model.
+"""Which draft trees the server should verify at the current batch size, from a cost model.
 
 Each iteration the manager may draft with any prefix <k_1..k_m> of the server's expansion config
-that fits the tree budget (m = 0: no tree, plain incremental decoding). The controller picks the m
-that maximizes the expected output of the whole batch per second (Sequoia's objective, per batch
-size B):
+that fits the tree budget (m = 0: no tree, plain incremental decoding), and, with context lookup on,
+with context lookup's chain alone (m levels, every level the budget allows: no speculator is asked,
+so the step costs no drafting and no RPC). The controller picks the choice that maximizes the
+expected output of the whole batch per second (Sequoia's objective, per batch size B):
 
-    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + draft(m, nodes) + overhead(B, m > 0))
+    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + draft(m, nodes) + overhead(B, asked))
 
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
-  depth d (the same widths at every depth: prefixes of one expansion config).
+  depth d (the same widths at every depth: prefixes of one expansion config). The SSMs' trees and
+  lookup's chains alone are measured apart; a request lookup finds no chain for counts as accepting
+  nothing, so the expected output covers how often lookup has something to say.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
   fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, the manager), fitted to
-  [1, B, trees].
-- Expected rows and nodes per request at depth m are measured (merging unions the speculators'
+  [1, B, asked] (asked: 1 if the speculators were asked for trees).
+- Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
@@ -27,9 +30,9 @@ and 0.95x (two runs).
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
 same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
-wins, depth drops to 0. Trees shrink smoothly as the batch grows, because the rows cost grows with B
+wins, the choice drops to lookup's chain alone or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
-neighbouring depth instead, so that every estimate stays current: `explore` iterations after the
+neighbouring choice instead (in the order none, lookup alone, depth 1, 2, ...), so that every estimate stays current: `explore` iterations after the
 choice last moved, then twice as far apart each time while it holds, up to `explore_max`. Exploring
 is not free (a speculator that sat out plain steps first catches up on their tokens): at 2-4
 concurrent requests on a CPU, where plain decoding wins, a look every 16 iterations cost 10-15%.
@@ -78,112 +81,147 @@ class Fit:
         return max(0.0, float(np.dot(self.coef, x)))
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What the server drafts for its requests in one iteration."""
+
+    depth: int  # levels of the server's expansion config (0: no tree, plain decoding)
+    speculators: bool = True  # the SSMs draft (with context lookup merged in when on); False: lookup's chain alone
+
+
+PLAIN = Choice(0)
+
+
 @dataclass
 class Step:
     """What one steady iteration did and cost, for the controller."""
 
     batch_size: int
-    depth: int  # depth of the server's trees this iteration (0: none)
+    choice: Choice  # what the server drafted for its requests this iteration
     rows: int  # tokens the verifier checked, tree nodes included
-    draft_levels: int  # deepest tree drafted (0: no draft call)
+    trees: bool  # whether any request had a tree
+    draft_levels: int  # deepest tree asked of the speculators (0: no draft call)
     draft_nodes: int  # nodes the slowest speculator drafted
     seconds: float  # the whole iteration
     verify_s: float  # the verifier's own step time
     draft_s: float  # the slowest speculator's own time
-    # per request drafted on the server's trees: (accepted draft tokens, depth of its tree)
+    # per request drafted for on the server's choice: (accepted draft tokens, depth of its plan), and
+    # the nodes of its merged tree (0 and 0 where nothing was found to draft)
     accepted: list[tuple[int, int]] = field(default_factory=list)
-    tree_nodes: list[int] = field(default_factory=list)  # nodes of those requests' merged trees
+    tree_nodes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Acceptance:
+    """Measured probability that a draft token is accepted at depth d given its parent was, for one
+    kind of drafter, decayed by `forget` per recorded step and pulled towards `prior`."""
+
+    prior: float
+    prior_weight: float
+    forget: float
+    reached: dict[int, float] = field(default_factory=dict)  # depth d -> steps whose path could accept at d (decayed)
+    hit: dict[int, float] = field(default_factory=dict)  # depth d -> of those, steps that did
+
+    def at(self, d: int) -> float:
+        return (self.hit.get(d, 0.0) + self.prior * self.prior_weight) / (self.reached.get(d, 0.0) + self.prior_weight)
+
+    def expected_tokens(self, m: int) -> float:
+        """Tokens a request emits per step with drafts of depth m: the bonus token plus the expected
+        accepted path length."""
+        total, p = 1.0, 1.0
+        for d in range(1, m + 1):
+            p *= self.at(d)
+            total += p
+        return total
+
+    def record(self, accepted: list[tuple[int, int]]) -> None:
+        for table in (self.reached, self.hit):
+            for d in table:
+                table[d] *= self.forget
+        for a, depth in accepted:
+            for d in range(1, min(a + 1, depth) + 1):
+                self.reached[d] = self.reached.get(d, 0.0) + 1
+                self.hit[d] = self.hit.get(d, 0.0) + (a >= d)
 
 
 @dataclass
 class Looks:
-    """A batch size's schedule of looks at a neighbouring depth."""
+    """A batch size's schedule of looks at a neighbouring choice."""
 
     iterations: int = 0  # iterations planned at this batch size
-    best: int | None = None  # the depth the model chose last
+    best: Choice | None = None  # the choice the model made last
     gap: int = 0  # iterations between looks now
     next_look: int = 0  # the iteration of the next look
-    count: int = 0  # looks so far (alternately shallower and deeper)
+    count: int = 0  # looks so far (alternately towards none and towards deeper trees)
 
 
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
-                 forget: float = 0.99, explore_max: int = 64, margin: float = 0.1):
+                 forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False):
         self.explore, self.explore_max = explore, explore_max
-        self.margin = margin  # trees must be predicted this much faster than plain decoding
+        self.margin = margin  # drafting must be predicted this much faster than plain decoding
+        self.lookup = lookup  # lookup's chain alone is a choice
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
-        self.prior, self.prior_weight, self.forget = prior, prior_weight, forget
-        self.reached: dict[int, float] = {}  # depth d -> steps whose path could accept at d (decayed)
-        self.hit: dict[int, float] = {}  # depth d -> of those, steps that did
-        self.nodes: dict[int, float] = {}  # depth m -> mean merged tree nodes per request
+        # the SSMs' trees (True) and lookup's chains alone (False), measured apart
+        self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
+        self.nodes: dict[Choice, float] = {}  # choice -> mean merged tree nodes per request
         self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
-        self.seen: dict[int, int] = {}  # depth -> iterations measured at it
+        self.seen: dict[Choice, int] = {}  # choice -> iterations measured at it
 
-    def acceptance(self, d: int) -> float:
-        """Measured probability that a token is accepted at depth d, given its parent was."""
-        return (self.hit.get(d, 0.0) + self.prior * self.prior_weight) / (self.reached.get(d, 0.0) + self.prior_weight)
-
-    def expected_tokens(self, m: int) -> float:
-        """Tokens a request emits per step with trees of depth m: the bonus token plus the expected
-        accepted path length."""
-        total, p = 1.0, 1.0
-        for d in range(1, m + 1):
-            p *= self.acceptance(d)
-            total += p
-        return total
-
-    def tree_nodes(self, m: int, full_tree: int) -> float:
-        return self.nodes.get(m, float(full_tree)) if m else 0.0
-
-    def rate(self, batch_size: int, m: int, full_tree: int) -> float:
-        """Predicted tokens per second of the batch with trees of depth m (full_tree: nodes of one
-        speculator's tree of that depth)."""
-        nodes = self.tree_nodes(m, full_tree)
-        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
-                   + (self.draft([1.0, m, batch_size * full_tree]) if m else 0.0)
-                   + self.overhead([1.0, batch_size, float(m > 0)]))
-        return batch_size * self.expected_tokens(m) / max(seconds, 1e-9)
-
-    def depth(self, batch_size: int, full_trees: list[int]) -> int:
-        """The depth of the server's trees this iteration; full_trees[m-1] is the node count of one
-        speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
-        top = len(full_trees)
+    def choices(self, top: int) -> list[Choice]:
+        """In order: none, lookup's chain alone (every level), the SSMs' trees of depth 1..top."""
         if top == 0:
-            return 0
-        for m in range(top + 1):  # measure every depth a couple of times first
-            if self.seen.get(m, 0) < 2:
-                return m
-        rates = [self.rate(batch_size, m, full_trees[m - 1] if m else 0) for m in range(top + 1)]
-        best = max(range(top + 1), key=rates.__getitem__)
+            return [PLAIN]
+        return [PLAIN] + [Choice(top, False)] * self.lookup + [Choice(m) for m in range(1, top + 1)]
+
+    def tree_nodes(self, choice: Choice, full_tree: int) -> float:
+        if not choice.depth:
+            return 0.0
+        return self.nodes.get(choice, float(full_tree if choice.speculators else choice.depth))
+
+    def rate(self, batch_size: int, choice: Choice, full_tree: int) -> float:
+        """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
+        choice's depth)."""
+        m, asked = choice.depth, choice.depth > 0 and choice.speculators
+        nodes = self.tree_nodes(choice, full_tree)
+        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
+                   + (self.draft([1.0, m, batch_size * full_tree]) if asked else 0.0)
+                   + self.overhead([1.0, batch_size, float(asked)]))
+        return batch_size * self.acceptance[choice.speculators].expected_tokens(m) / max(seconds, 1e-9)
+
+    def choose(self, batch_size: int, full_trees: list[int]) -> Choice:
+        """What the server drafts this iteration; full_trees[m-1] is the node count of one
+        speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
+        options = self.choices(len(full_trees))
+        for c in options:  # measure every choice a couple of times first
+            if self.seen.get(c, 0) < 2:
+                return c
+        rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
+        best = max(range(len(options)), key=rates.__getitem__)
         if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
             best = 0
         look = self.looks.setdefault(batch_size, Looks())
         look.iterations += 1
-        if look.best != best:  # the choice moved: look around often again
-            look.best, look.gap, look.next_look = best, self.explore, look.iterations + self.explore
-        elif look.iterations >= look.next_look:  # a neighbour, alternately shallower and deeper
+        if look.best != options[best]:  # the choice moved: look around often again
+            look.best, look.gap, look.next_look = options[best], self.explore, look.iterations + self.explore
+        elif look.iterations >= look.next_look:  # a neighbour, alternately towards none and deeper
             look.gap = min(2 * look.gap, self.explore_max)
             look.next_look = look.iterations + look.gap
             look.count += 1
-            return best - 1 if (look.count % 2 == 1 and best > 0) or best == top else best + 1
-        return best
+            last = len(options) - 1
+            return options[best - 1 if (look.count % 2 == 1 and best > 0) or best == last else best + 1]
+        return options[best]
 
     def record(self, step: Step) -> None:
-        self.seen[step.depth] = self.seen.get(step.depth, 0) + 1
-        self.verify.add([1.0, step.batch_size, step.rows, float(step.draft_levels > 0)], step.verify_s)
+        self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
+        self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
         if step.draft_levels:
             self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
         self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
                           max(0.0, step.seconds - step.verify_s - step.draft_s))
-        if not step.depth or not step.accepted:
+        if not step.choice.depth or not step.accepted:
             return
-        for table in (self.reached, self.hit):
-            for d in table:
-                table[d] *= self.forget
-        for a, depth in step.accepted:
-            for d in range(1, min(a + 1, depth) + 1):
-                self.reached[d] = self.reached.get(d, 0.0) + 1
-                self.hit[d] = self.hit.get(d, 0.0) + (a >= d)
+        self.acceptance[step.choice.speculators].record(step.accepted)
         mean_nodes = sum(step.tree_nodes) / len(step.tree_nodes)
-        old = self.nodes.get(step.depth)
-        self.nodes[step.depth] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes
+        old = self.nodes.get(step.choice)
+        self.nodes[step.choice] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes

@@ -17,7 +17,8 @@ truth. Each iteration:
 Tree budget: the server's expansion config is cut, per request, to at most
 tree_budget // batch_size nodes, so speculation shrinks as the batch grows; within that, a
 controller (controller.py) picks each iteration's depth of the server's trees from a cost model
-fitted online and the measured acceptance, down to none (plain incremental decoding). A request
+fitted online and the measured acceptance, down to none (plain incremental decoding), or context
+lookup's chain alone (no speculator asked: no drafting time, no RPC). A request
 that fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
 
 Nothing here runs a model: the event loop moves token IDs. It knows nothing of protobuf.
@@ -42,7 +43,7 @@ from specinfer_rpc.server import Abort
 
 from . import metrics
 from .clients import Check, Draft, VerifierClient, VerifierResync, VerifierUnavailable
-from .controller import SpeculationController, Step
+from .controller import Choice, SpeculationController, Step
 from .replicas import SpeculatorReplicas
 
 log = logging.getLogger("specinfer.manager")
@@ -192,8 +193,8 @@ class Scheduler:
         batch = list(self.running.values())
         steady = all(s.verifier_has for s in batch)
         full_trees = self._full_trees(len(batch))
-        depth = len(full_trees) if self.controller is None else self.controller.depth(len(batch), full_trees)
-        trees, sources, plans = await self._draft(batch, depth, len(full_trees))
+        choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
+        trees, sources, plans, levels = await self._draft(batch, choice, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
                 for c in self.speculators:
@@ -223,16 +224,15 @@ class Scheduler:
                 self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
         draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
-        levels = max(map(len, plans.values()), default=0)  # deepest tree asked of the speculators
         if self.controller is not None and steady:
-            on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in trees]
+            on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in plans]
             self.controller.record(Step(
-                batch_size=len(batch), depth=depth, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
-                draft_levels=levels,
-                draft_nodes=sum(tree_size(p) for p in plans.values()),
+                batch_size=len(batch), choice=choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
+                trees=bool(trees), draft_levels=levels,
+                draft_nodes=sum(tree_size(plans[s.id]) for s in batch if s.id in plans and self._asks(s, choice)),
                 seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
-                accepted=[(len(r) - 1, len(plans[s.id])) for s, r in on_server],
-                tree_nodes=[len(trees[s.id]) for s, _ in on_server]))
+                accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
+                tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server]))
         now = time.monotonic()
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran; already retired
@@ -292,10 +292,10 @@ class Scheduler:
         fits = fit_expansion(self.expansion, self.tree_budget // max(batch_size, 1))
         return [tree_size(fits[:m]) for m in range(1, len(fits) + 1)]
 
-    def _plan(self, seq: Sequence, depth: int) -> list[int]:
+    def _plan(self, seq: Sequence, choice: Choice) -> list[int]:
         """The request's expansion config this step: its own if fixed, else the server's first
-        `depth` levels."""
-        expansion = self.expansion[:depth] if seq.expansion is None else seq.expansion
+        `choice.depth` levels (a chain of that many tokens for lookup alone)."""
+        expansion = self.expansion[: choice.depth] if seq.expansion is None else seq.expansion
         # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
         return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
 
@@ -313,15 +313,20 @@ class Scheduler:
                     f"expansion's first level ({self.expansion[0]})")
         return f"the manager's cost model predicts plain decoding faster at batch size {batch_size}"
 
-    async def _draft(self, batch: list[Sequence], depth: int, fits: int
-                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]]]:
+    def _asks(self, seq: Sequence, choice: Choice) -> bool:
+        """Whether the speculators draft for the request this step: always for a fixed expansion (the
+        server's choice is for the server's trees), else when the server's choice uses them."""
+        return choice.speculators or seq.expansion is not None
+
+    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int
+                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], int]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
         requests that asked for their trees the trees it merged by speculator number (context
-        lookup's: the number after the speculators'), and the expansion config each drafted request
-        was asked for."""
+        lookup's: the number after the speculators'), the expansion config each drafted request
+        was planned, and the deepest tree asked of the speculators (0: they were not asked)."""
         drafting = []
         for s in batch:
-            if plan := self._plan(s, depth):
+            if plan := self._plan(s, choice):
                 drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
             else:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
@@ -330,8 +335,14 @@ class Scheduler:
                 c.draft_ns = 0
             for s, _ in drafting:
                 s.no_tree["no speculators configured"] += 1
-            return {}, {}, {}
-        answers = await asyncio.gather(*(c.draft([d for _, d in drafting]) for c in self.speculators))
+            return {}, {}, {}, 0
+        asked = [d for s, d in drafting if self._asks(s, choice)]
+        if asked:
+            answers = await asyncio.gather(*(c.draft(asked) for c in self.speculators))
+        else:  # context lookup alone: no RPC
+            answers = [{} for _ in self.speculators]
+            for c in self.speculators:
+                c.draft_ns = 0
         merged, sources = {}, {}
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
@@ -340,12 +351,13 @@ class Scheduler:
                 if chain := s.context.draft(len(d.expansion)):
                     trees[len(answers)] = chain_tree(chain, s.request.sampling.greedy)
             if not trees:
-                s.no_tree["no speculator sent a tree in time"] += 1
+                s.no_tree["no speculator sent a tree in time" if self._asks(s, choice)
+                          else "context lookup found no earlier occurrence to continue"] += 1
                 continue
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
             if s.want_trees:
                 sources[s.id] = trees
-        return merged, sources, {s.id: d.expansion for s, d in drafting}
+        return merged, sources, {s.id: d.expansion for s, d in drafting}, max((len(d.expansion) for d in asked), default=0)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""

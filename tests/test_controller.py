@@ -13,28 +13,31 @@ from specinfer.tree import tree_size
 EXPANSION = [2, 1, 1, 1]
 
 
-def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0):
+def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
+             chain_accept=0.0):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
-    seconds per level drafted, each draft token accepted (given its parent was) with probability
-    `accept`. Returns how often each depth was chosen over the second half."""
+    seconds per level the speculators draft, each draft token accepted (given its parent was) with
+    probability `accept` (`chain_accept` for context lookup's chain alone, which costs no drafting).
+    Returns how often each choice was made over the second half: the SSMs' depth, or "lookup"."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     chosen = Counter()
     for i in range(iterations):
-        m = controller.depth(batch_size, full)
+        c = controller.choose(batch_size, full)
+        m, asked = c.depth, c.depth if c.speculators else 0
         if i >= iterations // 2:
-            chosen[m] += 1
+            chosen[m if c.speculators else "lookup"] += 1
         accepted = []
         for _ in range(batch_size):
             a = 0
-            while a < m and rng.random() < accept:
+            while a < m and rng.random() < (accept if c.speculators else chain_accept):
                 a += 1
             accepted.append((a, m))
-        nodes = full[m - 1] if m else 0
+        nodes = (full[m - 1] if c.speculators else m) if m else 0
         rows = batch_size * (1 + nodes)
-        v, d = verify(batch_size, rows), draft_level * m
-        controller.record(Step(batch_size, m, rows, m, batch_size * nodes, v + d + overhead, v, d,
-                               accepted if m else [], [nodes] * batch_size if m else []))
+        v, d = verify(batch_size, rows), draft_level * asked
+        controller.record(Step(batch_size, c, rows, m > 0, asked, batch_size * nodes if asked else 0,
+                               v + d + overhead, v, d, accepted if m else [], [nodes] * batch_size if m else []))
     return chosen
 
 
@@ -123,3 +126,26 @@ def test_trees_are_used_only_when_predicted_faster_than_plain_decoding_by_the_ma
         chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010, draft_level=0.002)
         share = 1 - chosen[0] / sum(chosen.values())
         assert tree_share[0] <= share <= tree_share[1], (margin, chosen)
+
+
+def test_lookup_alone_when_the_ssms_cost_more_than_they_win_and_lookup_is_accepted():
+    """A draft level costs more than a verifier step, so the SSMs' trees never pay; context lookup's
+    chain costs nothing to draft and 70% of its tokens are accepted: the chain alone is chosen."""
+    c = SpeculationController(explore=16, lookup=True)
+    chosen = simulate(c, 2, 400, verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.7)
+    assert chosen["lookup"] >= 0.9 * sum(chosen.values()), chosen
+
+
+def test_neither_when_lookup_finds_nothing_and_the_ssms_cost_too_much():
+    c = SpeculationController(explore=16, lookup=True)
+    chosen = simulate(c, 2, 400, verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.0)
+    assert chosen[0] >= 0.9 * sum(chosen.values()), chosen
+
+
+def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():
+    """Drafting is cheap and the SSMs' tokens are accepted far more often than lookup's: the
+    deepest SSM tree wins, and the chain alone is only looked at now and then."""
+    c = SpeculationController(explore=16, lookup=True)
+    chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010, draft_level=0.0005, accept=0.9, chain_accept=0.2)
+    assert chosen[len(EXPANSION)] >= 0.8 * sum(chosen.values()), chosen
+    assert chosen["lookup"] <= 0.1 * sum(chosen.values()), chosen

@@ -1,0 +1,126 @@
+"""The scheduler carries out the controller's choice: context lookup's chain alone asks no speculator
+and keeps outputs exact; the SSMs' trees ask them. The verifier and the speculators here are
+in-process stand-ins with the clients' interface (the services tests run the real ones): a "LLM"
+whose greedy next token repeats the record's token PERIOD places back, so its continuations loop
+and context lookup can guess them, and an SSM that always guesses a token the LLM never emits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from manager_svc.controller import PLAIN, Choice, SpeculationController, Step
+from manager_svc.scheduler import Scheduler
+from specinfer.generate import Request
+from specinfer.tree import TokenTree
+
+PERIOD = 5
+NEVER = 99  # a token the stand-in LLM never emits
+
+
+def llm_next(record: list[int]) -> int:
+    return record[-PERIOD]
+
+
+class Verifier:
+    """Greedy verification of each request's tree against llm_next: the accepted path, then the
+    LLM's own token."""
+
+    def __init__(self):
+        self.records: dict[str, list[int]] = {}
+
+    async def verify(self, checks, release):
+        for rid in release:
+            self.records.pop(rid, None)
+        results = []
+        for c in checks:
+            record = self.records.get(c.request_id, []) + c.new_tokens
+            assert len(record) == c.record_length
+            out, node = [], -1
+            while True:
+                t = llm_next(record + out)
+                out.append(t)
+                node = next((u for u, (tok, p) in enumerate(zip(c.tree.tokens, c.tree.parents))
+                             if p == node and tok == t), None)
+                if node is None:
+                    break
+            self.records[c.request_id] = record + out
+            results.append(out)
+        return results, 1_000_000
+
+
+class Speculator:
+    connected = True
+
+    def __init__(self):
+        self.calls, self.draft_ns = 0, 0
+
+    async def draft(self, drafts):
+        self.calls += 1
+        self.draft_ns = 1000
+        return {d.request_id: TokenTree([NEVER] * len(d.expansion), list(range(-1, len(d.expansion) - 1)))
+                for d in drafts}
+
+    def release(self, request_id):
+        pass
+
+    async def flush(self):
+        pass
+
+
+class Fixed(SpeculationController):
+    """Makes one choice whenever trees fit, and keeps what it was told."""
+
+    def __init__(self, speculators: bool):
+        super().__init__(lookup=True)
+        self.speculators, self.steps = speculators, []
+
+    def choose(self, batch_size, full_trees):
+        return Choice(len(full_trees), self.speculators) if full_trees else PLAIN
+
+    def record(self, step: Step) -> None:
+        self.steps.append(step)
+        super().record(step)
+
+
+def run(speculators: bool, prompts: list[list[int]], n: int):
+    speculator, controller = Speculator(), Fixed(speculators)
+    scheduler = Scheduler(Verifier(), [speculator], eos=set(), expansion=[1, 1, 1], tree_budget=64, max_batch=8,
+                          max_queue=8, max_prefill_tokens=4096, controller=controller, lookup=True)
+    seqs = [scheduler.submit(Request(p, n), None) for p in prompts]
+
+    async def go():
+        while scheduler.running or scheduler.waiting:
+            await scheduler.iteration()
+
+    asyncio.run(go())
+    return seqs, speculator, controller
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    record = list(prompt)
+    for _ in range(n):
+        record.append(llm_next(record))
+    return record[len(prompt):]
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]]
+
+
+def test_lookup_alone_asks_no_speculator_and_stays_exact():
+    seqs, speculator, controller = run(False, PROMPTS, 30)
+    assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
+    assert speculator.calls == 0
+    assert controller.steps and all(s.draft_levels == s.draft_nodes == s.draft_s == 0 for s in controller.steps)
+    # the loop is guessed: after the prefill (whose last token is new: no chain), three chain tokens
+    # accepted per step, plus the LLM's own
+    assert all(s.steps <= 1 + -(-29 // 4) for s in seqs), [s.steps for s in seqs]
+    assert controller.acceptance[False].at(1) > 0.9 and controller.acceptance[True].reached == {}
+
+
+def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
+    seqs, speculator, controller = run(True, PROMPTS, 30)
+    assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
+    asked = sum(s.draft_levels > 0 for s in controller.steps)
+    assert asked >= len(controller.steps) - 1  # all but a last step with one token to go
+    assert speculator.calls == 1 + asked  # and the prefill's iteration
+    assert controller.acceptance[True].at(1) > 0.9 and controller.acceptance[False].reached == {}
