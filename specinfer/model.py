@@ -298,8 +298,8 @@ class LlamaModel(nn.Module):
     def restrict_vocab(self, token_ids: list[int]) -> None:
         """Keep only `token_ids` in the LM head: logits of every other token are -inf from now on.
         For a drafter (FR-Spec's frequency-ranked drafting): the shipped SSMs' 256 x 8192 head is
-        most of the weights a draft level streams, and the 2048 tokens the training corpus uses most
-        cover over 99% of the shipped LLM's greedy tokens on held-out prompts. Outputs stay exact:
+        most of the weights a draft level streams, and the 3072 tokens the training corpus uses most
+        cover 99% of the shipped LLM's greedy tokens on held-out prompts. Outputs stay exact:
         the verifier checks whatever the SSM proposes, and a draw's q is the restricted distribution,
         so speculative sampling stays exact too."""
         ids = sorted(set(token_ids))
