@@ -11,8 +11,9 @@ expected output of the whole batch per second (Sequoia's objective, per batch si
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
   depth d (the same widths at every depth: prefixes of one expansion config). The SSMs' trees and
-  lookup's chains alone are measured apart; a request lookup finds no chain for counts as accepting
-  nothing, so the expected output covers how often lookup has something to say.
+  lookup's chains alone are measured apart; a request that was planned a draft and got none (lookup
+  found no chain, no speculator answered in time) counts as accepting nothing, so the expected output
+  covers how often the drafters have something to say.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
@@ -32,7 +33,8 @@ prefilled), so the model follows the machine and the load. On a GPU a verifier s
 same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
 wins, the choice drops to lookup's chain alone or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
-neighbouring choice instead (in the order none, lookup alone, depth 1, 2, ...), so that every estimate stays current: `explore` iterations after the
+neighbouring choice instead (a shallower or deeper SSM tree; from none or depth 1, also lookup's chain
+alone, and from that, none or depth 1), so that every estimate stays current: `explore` iterations after the
 choice last moved, then twice as far apart each time while it holds, up to `explore_max`. Exploring
 is not free (a speculator that sat out plain steps first catches up on their tokens): at 2-4
 concurrent requests on a CPU, where plain decoding wins, a look every 16 iterations cost 10-15%.
@@ -152,7 +154,7 @@ class Looks:
     best: Choice | None = None  # the choice the model made last
     gap: int = 0  # iterations between looks now
     next_look: int = 0  # the iteration of the next look
-    count: int = 0  # looks so far (alternately towards none and towards deeper trees)
+    count: int = 0  # looks so far (taking the neighbours in turn)
 
 
 class SpeculationController:
@@ -204,13 +206,28 @@ class SpeculationController:
         look.iterations += 1
         if look.best != options[best]:  # the choice moved: look around often again
             look.best, look.gap, look.next_look = options[best], self.explore, look.iterations + self.explore
-        elif look.iterations >= look.next_look:  # a neighbour, alternately towards none and deeper
+        elif look.iterations >= look.next_look:  # a neighbour, each in turn
             look.gap = min(2 * look.gap, self.explore_max)
             look.next_look = look.iterations + look.gap
             look.count += 1
-            last = len(options) - 1
-            return options[best - 1 if (look.count % 2 == 1 and best > 0) or best == last else best + 1]
+            near = self.neighbours(options, best)
+            return near[(look.count - 1) % len(near)]
         return options[best]
+
+    def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
+        """The choices a look from options[i] alternates between: the next shallower and the next
+        deeper SSM tree (none counting as depth 0), and lookup's chain alone beside none and depth 1
+        (and, from it, those two), so that from any choice every kind of draft is still looked at."""
+        c = options[i]
+        ssm = [o for o in options if o.speculators or not o.depth]  # none, depth 1..top
+        lookup = [o for o in options if not o.speculators and o.depth]
+        if c in lookup:
+            return ssm[:2]
+        j = ssm.index(c)
+        near = ssm[max(j - 1, 0) : j] + ssm[j + 1 : j + 2]
+        if c.depth <= 1:
+            near += lookup
+        return near or [c]
 
     def record(self, step: Step) -> None:
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1

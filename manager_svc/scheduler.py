@@ -194,7 +194,7 @@ class Scheduler:
         steady = all(s.verifier_has for s in batch)
         full_trees = self._full_trees(len(batch))
         choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
-        trees, sources, plans, levels = await self._draft(batch, choice, len(full_trees))
+        trees, sources, plans, (levels, nodes) = await self._draft(batch, choice, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a speculator after the release
                 for c in self.speculators:
@@ -228,8 +228,7 @@ class Scheduler:
             on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in plans]
             self.controller.record(Step(
                 batch_size=len(batch), choice=choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
-                trees=bool(trees), draft_levels=levels,
-                draft_nodes=sum(tree_size(plans[s.id]) for s in batch if s.id in plans and self._asks(s, choice)),
+                trees=bool(trees), draft_levels=levels, draft_nodes=nodes,
                 seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
                 accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
                 tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server]))
@@ -318,12 +317,13 @@ class Scheduler:
         server's choice is for the server's trees), else when the server's choice uses them."""
         return choice.speculators or seq.expansion is not None
 
-    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int
-                     ) -> tuple[dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], int]:
+    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
+            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], tuple[int, int]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
         requests that asked for their trees the trees it merged by speculator number (context
         lookup's: the number after the speculators'), the expansion config each drafted request
-        was planned, and the deepest tree asked of the speculators (0: they were not asked)."""
+        was planned, and the deepest tree asked of the speculators (0: they were not asked) with the
+        nodes asked of them in all."""
         drafting = []
         for s in batch:
             if plan := self._plan(s, choice):
@@ -335,7 +335,7 @@ class Scheduler:
                 c.draft_ns = 0
             for s, _ in drafting:
                 s.no_tree["no speculators configured"] += 1
-            return {}, {}, {}, 0
+            return {}, {}, {}, (0, 0)
         asked = [d for s, d in drafting if self._asks(s, choice)]
         if asked:
             answers = await asyncio.gather(*(c.draft(asked) for c in self.speculators))
@@ -357,7 +357,8 @@ class Scheduler:
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
             if s.want_trees:
                 sources[s.id] = trees
-        return merged, sources, {s.id: d.expansion for s, d in drafting}, max((len(d.expansion) for d in asked), default=0)
+        asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked))
+        return merged, sources, {s.id: d.expansion for s, d in drafting}, asked_for
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """End a running request: `reason` is its finish reason, "cancelled" or "failed"."""

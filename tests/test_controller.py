@@ -140,6 +140,8 @@ def test_neither_when_lookup_finds_nothing_and_the_ssms_cost_too_much():
     c = SpeculationController(explore=16, lookup=True)
     chosen = simulate(c, 2, 400, verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.0)
     assert chosen[0] >= 0.9 * sum(chosen.values()), chosen
+    # while none holds, the looks still take both kinds of draft in turn: every estimate stays current
+    assert chosen["lookup"] >= 1 and chosen[1] >= 1, chosen
 
 
 def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():
