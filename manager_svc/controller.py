@@ -174,7 +174,7 @@ class SpeculationController:
         """In order: none, lookup's chain alone (every level), the SSMs' trees of depth 1..top."""
         if top == 0:
             return [PLAIN]
-        return [PLAIN] + [Choice(top, False)] * self.lookup + [Choice(m) for m in range(1, top + 1)]
+        return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + [Choice(m) for m in range(1, top + 1)]
 
     def tree_nodes(self, choice: Choice, full_tree: int) -> float:
         if not choice.depth:

@@ -223,7 +223,8 @@ class Scheduler:
             for s in batch:
                 self._fail(s, Abort(grpc.StatusCode.UNAVAILABLE, str(e)))
             return
-        draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0)
+        # the slowest speculator's own time this iteration (0: none was asked)
+        draft_ns = max((c.draft_ns for c in self.speculators if c.connected), default=0) if levels else 0
         if self.controller is not None and steady:
             on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in plans]
             self.controller.record(Step(
@@ -331,18 +332,12 @@ class Scheduler:
             else:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not self.speculators:
-            for c in self.speculators:
-                c.draft_ns = 0
             for s, _ in drafting:
                 s.no_tree["no speculators configured"] += 1
             return {}, {}, {}, (0, 0)
         asked = [d for s, d in drafting if self._asks(s, choice)]
-        if asked:
-            answers = await asyncio.gather(*(c.draft(asked) for c in self.speculators))
-        else:  # context lookup alone: no RPC
-            answers = [{} for _ in self.speculators]
-            for c in self.speculators:
-                c.draft_ns = 0
+        answers = ([{}] * len(self.speculators) if not asked  # context lookup alone: no RPC
+                   else await asyncio.gather(*(c.draft(asked) for c in self.speculators)))
         merged, sources = {}, {}
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
