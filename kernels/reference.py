@@ -32,8 +32,8 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return torch.zeros_like(q)
     B, M, n_real, tables, where, mask = plan
     L = mask.shape[-1]
-    k = k_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :L].transpose(1, 2)
+    k = k_cache.index_select(0, tables.flatten()).view(B, -1, hkv, d)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, tables.flatten()).view(B, -1, hkv, d)[:, :L].transpose(1, 2)
     qp = q.new_zeros(B, M, hq, d)
     qp[where] = q[:n_real]
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale,

@@ -458,7 +458,7 @@ def main():
                     help="start from the LLM (and tokenizer) in this directory, taken as the result of every "
                          "--llm-steps cycle but the last: trains a shipped LLM further without its checkpoints")
     ap.add_argument("--ssm-steps", type=int, default=300)
-    ap.add_argument("--distill-samples", type=lambda v: [int(x) for x in v.split(",")], default=[16384, 8192, 16384],
+    ap.add_argument("--distill-samples", type=lambda v: [int(x) for x in v.split(",")], default=[16384, 8192, 16384, 16384],
                     help="LLM windows both SSMs are trained on, in sets generated and cached one by one, "
                          "comma-separated: appending a set adds windows without regenerating the others")
     ap.add_argument("--distill-epochs", type=int, default=6)

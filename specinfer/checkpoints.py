@@ -30,7 +30,7 @@ def default_ssms() -> list[Path]:
 
 def served_ssms() -> list[Path]:
     """The SSMs the services draft with unless told otherwise: SSM 0 alone. With the manager's context
-    lookup merged in, SSM 1 adds little (held-out agreement 88.9% -> 91.4%), and on a 2-core CPU its own
+    lookup merged in, SSM 1 adds little (held-out agreement 89.8% -> 92.1%), and on a 2-core CPU its own
     speculator process costs more than that: at one stream 1.21-1.24x no speculation with both
     against 1.50-1.57x with SSM 0 alone, at two streams 0.85-0.90x against 1.03-1.08x (two alternated
     runs each, on the SSMs shipped before: bench/results/services_ssms_ab_cpu.md)."""

@@ -8,8 +8,9 @@ forward is a *step*.
 
 Modes: incremental (no speculator), sequence (SSM 0, a chain: expansion <1, ..., 1>),
 tree (SSM 0, an expansion config), merged (every SSM with the same config, trees merged).
-With `lookup`, a chain drafted from the request's own earlier text (lookup.py) joins the merge; with
-no SSM, it is the only drafter.
+With `lookup`, a chain of up to `lookup_tokens` tokens drafted from the request's own earlier text
+(lookup.py) joins the merge; with no SSM, it is the only drafter. The chain's length is its own, not
+the expansion's depth: it costs no model, only verified rows.
 The gRPC manager runs the same loop with continuous batching; this one serves the CLI, the tests
 and the benchmarks.
 """
@@ -22,7 +23,7 @@ from enum import Enum
 from tqdm import tqdm
 
 from .graphs import GraphConfig
-from .lookup import ContextIndex, chain_tree
+from .lookup import CHAIN_TOKENS, ContextIndex, chain_tree
 from .model import LlamaModel, check_token_ids
 from .sampling import SamplingParams
 from .speculator import DraftRequest, Speculator
@@ -83,8 +84,10 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
 class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
-                 lookup: bool = False):
+                 lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS):
         mode = Mode(mode)
+        if lookup_tokens < 1:
+            raise ValueError(f"lookup_tokens: must be >= 1, got {lookup_tokens}")
         if mode != Mode.INCREMENTAL and not ssms and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM (or context lookup)")
         if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
@@ -98,6 +101,7 @@ class Engine:
         self.verifier = Verifier(llm, graphs=graphs)
         self.replacement = replacement
         self.lookup = lookup and mode != Mode.INCREMENTAL
+        self.lookup_tokens = lookup_tokens
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -139,21 +143,21 @@ class Engine:
     def _draft(self, live: dict[str, Request], out: dict[str, Generation], told: dict,
                contexts: dict[str, ContextIndex]) -> dict[str, TokenTree]:
         per_request: dict[str, list[TokenTree]] = {i: [] for i in live}
-        depth = {i: min(len(self.expansion), req.max_new_tokens - len(out[i].token_ids) - 1) for i, req in live.items()}
+        # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
+        room = {i: req.max_new_tokens - len(out[i].token_ids) - 1 for i, req in live.items()}
         for s, spec in enumerate(self.speculators):
             batch = []
             for i, req in live.items():
                 generated = out[i].token_ids
                 new = record_from(req, generated, told[s, i])
                 told[s, i] = len(req.prompt) + len(generated)
-                # never draft past max_new_tokens: a step emits the accepted path plus one bonus
-                batch.append(DraftRequest(i, new, self.expansion[:depth[i]], req.sampling, self.replacement))
+                batch.append(DraftRequest(i, new, self.expansion[:room[i]], req.sampling, self.replacement))
             for dr, tree in zip(batch, spec.draft(batch)):
                 per_request[dr.request_id].append(tree)
         for i, ctx in contexts.items():
             if i in live:
                 ctx.extend(record_from(live[i], out[i].token_ids, len(ctx.tokens)))
-                if draft := ctx.draft(depth[i]):
+                if draft := ctx.draft(min(self.lookup_tokens, room[i])):
                     per_request[i].append(chain_tree(draft, live[i].sampling.greedy))
         return {i: (TokenTree() if not trees else trees[0] if len(trees) == 1 else merge(trees))
                 for i, trees in per_request.items()}

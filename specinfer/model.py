@@ -149,53 +149,41 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Dense(nn.Module):
-    """y = x W (+ b) with W stored [in, out]: MKL runs x @ W several times faster than
-    F.linear's x @ W^T for the 8-64 row matrices a token tree makes on CPU."""
+    """y = x W (+ b) with W stored [in, out]."""
 
-    FEW_ROWS = (2, 8)  # row counts `transpose` serves
+    PACKED_ROWS = 32  # the most rows oneDNN's product serves (see `pack`)
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.packed: torch.Tensor | None = None  # W in oneDNN's blocked layout (see `pack`)
-        self.transposed: torch.Tensor | None = None  # W^T [out, in], contiguous (see `transpose`)
-
-    def transpose(self) -> None:
-        """On a CPU, in float32: also keep W^T [out, in] and multiply inputs of 2 to 8 rows (a
-        speculator's levels, a small tree's verification) as (W^T x^T)^T. MKL's x @ W is slow
-        there and its GEMV at one row is the fastest product; the transposed product is not.
-        Measured on a 2-core AVX2 AMD EPYC (the shipped LLM's 8 layers' four projections,
-        cycled, best of 3 medians): x @ W 2.33 / 3.41 / 2.32 / 3.25 ms at 2 / 3 / 5 / 8 rows,
-        transposed 1.39 / 1.79 / 1.97 / 2.60 ms; from 10 rows on neither wins. Elsewhere (CUDA,
-        half precision) nothing changes. Costs one more copy of W."""
-        w = self.weight
-        if w.device.type == "cpu" and w.dtype == torch.float32:
-            self.transposed = w.detach().t().contiguous()
 
     def pack(self) -> None:
         """On a CPU with oneDNN, in float32: also keep W in oneDNN's blocked layout and multiply by
-        that. For a wide output (the LM head, 256 x 8192 for the shipped models) MKL's product
-        streams W once per row at the 1-9 rows of a decoding step; oneDNN's is 2-3x faster there
-        and still faster at 512 rows on a 2-core AVX2 machine, and a row's result does not depend
-        on the other rows. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy
-        of W."""
+        that. PyTorch's x @ W goes to MKL, whose small-row products are slow on this project's
+        AMD CPUs; oneDNN's is 1.5-2.6x faster from 2 rows on (a token tree's verification, a
+        speculator's levels, a batch, a prefill) and within a few percent at one row. Measured on
+        a 2-core AVX2 AMD EPYC, the shipped LLM's 8 layers' four projections (best of 5): x @ W
+        0.52 / 0.91 / 1.27 / 2.44 / 9.18 / 31.8 ms at 1 / 2 / 5 / 20 / 128 / 512 rows, oneDNN
+        0.57 / 0.60 / 0.64 / 1.07 / 3.80 / 13.9 ms. A row's result does not depend on the other
+        rows of the product, bit for bit, so a tree node's projections equal those of the same row
+        computed alone. Only up to PACKED_ROWS rows: oneDNN keeps what it builds for every row count
+        it meets, and over 1-400 rows that grew a process by 3 GB here (up to 32 rows: 84 MB, then
+        flat); larger products go to x @ W. Elsewhere (CUDA, half precision) nothing changes. Costs
+        one more copy of W."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
 
     def _apply(self, fn, recurse=True):
-        self.packed = self.transposed = None  # moved or cast: back to `weight` (pack or transpose again)
+        self.packed = None  # moved or cast: back to `weight` (pack again)
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] <= self.PACKED_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        lo, hi = self.FEW_ROWS
-        if self.transposed is not None and lo <= x.shape[0] <= hi:
-            y = (self.transposed @ x.t()).t().contiguous()
-        else:
-            y = x @ self.weight
+        y = x @ self.weight
         return y + self.bias if self.bias is not None else y
 
 
@@ -348,7 +336,7 @@ class LlamaModel(nn.Module):
         model.inv_freq = inv_freq.to(device)  # float32 whatever the weights' dtype, as in HF
         for block in model.layers:
             for dense in (block.qkv, block.o, block.gate_up, block.down):
-                dense.transpose()
+                dense.pack()
         if model.lm_head is not None:
             model.lm_head.pack()
         return model.eval().requires_grad_(False)

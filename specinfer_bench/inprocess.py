@@ -28,7 +28,7 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
     acceptance by depth (share of steps whose accepted path reached depth d)."""
     engine = Engine(llm, ssms, mode, expansion, lookup=lookup)
     outs, seconds, forwards = [], [], 0
-    reached = [0] * len(expansion)
+    reached = [0] * len(expansion)  # deeper where a step accepted more (a lookup chain may outgrow the expansion)
     steps = 0
     for i, p in enumerate(prompts):
         start = time.perf_counter()
@@ -38,6 +38,7 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
         forwards += g.steps + 1
         steps += g.steps
         for a in g.accepted:
+            reached += [0] * (a - len(reached))
             for d in range(a):
                 reached[d] += 1
     return outs, {"tokens": sum(map(len, outs)), "forwards": forwards, "request_seconds": seconds,

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from specinfer.checkpoints import default_ssms, models_dir, served_ssms
 from specinfer.generate import Mode
+from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel, read_draft_vocab
 from specinfer.tree import tree_size
 
@@ -79,7 +80,7 @@ def main(args) -> int:
         if not any(mode == Mode.TREE and e == picked and not lookup for _, mode, e, lookup in configs):
             configs.append((f"{name} (search's pick)", Mode.TREE, picked, False))
         configs.append((f"{name} + context lookup", Mode.TREE, picked, True))
-        configs.append((f"ours context lookup alone <1x{len(picked)}>", Mode.SEQUENCE, [1] * len(picked), None))
+    configs.append((f"ours context lookup alone <1x{CHAIN_TOKENS}>", Mode.SEQUENCE, [1] * CHAIN_TOKENS, None))
     ks = [2, 4] if args.quick else [1, 2, 3, 4, 6, 8]
     temperatures = [0.0] if args.quick else [0.0, 0.8]
     steps = len(temperatures) * (2 + len(ks) + len(configs))
@@ -103,7 +104,10 @@ def main(args) -> int:
         for label, mode, expansion, lookup in configs:  # lookup None: context lookup alone, no SSM
             outs, figures = inprocess.run(llm, [] if lookup is None else ssms, mode, expansion, prompts, max_new, t,
                                           lookup is not False)
-            record(label, t, outs, figures, {"tree_nodes": tree_size(expansion)} if expansion else None)
+            extra = {"tree_nodes": tree_size(expansion)} if expansion else {}  # lookup alone: its chain's
+            if lookup:
+                extra["lookup_tokens"] = CHAIN_TOKENS  # the chain's nodes come on top of the SSM's tree
+            record(label, t, outs, figures, extra or None)
             bar.update()
     bar.close()
 

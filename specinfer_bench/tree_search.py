@@ -15,8 +15,8 @@ Cost model (measured on this machine at batch 1): a step costs the verifier's fo
     cost = verify(1 + n) + sum_{d=1..m} draft(width_{d-1})
 
 with verify and draft timed at a grid of row counts and linearly interpolated between them: on a
-CPU a product's cost is not linear in its rows (Dense.transpose serves 2-8 rows faster than MKL
-serves 9), so a straight line through few sizes would misjudge the small trees.
+CPU a step's cost is not linear in its rows (a few rows cost about what one does: per-op overhead
+and oneDNN's products, Dense.pack), so a straight line through few sizes would misjudge the small trees.
 """
 
 from __future__ import annotations

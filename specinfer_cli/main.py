@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specinfer.checkpoints import DTYPES, default_ssms, models_dir, served_ssms
 from specinfer.generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
+from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.tree import parse_expansion
@@ -60,6 +61,14 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="send the requests to a running manager (specinfer serve) instead of running in-process")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", type=Path, default=None, help="LLM checkpoint directory (default: shipped)")
     p.add_argument("--ssm", type=Path, action="append", default=None,
@@ -74,7 +83,8 @@ def load_engine(args) -> Engine:
     ssm_dirs = [] if args.mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
     ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
     expansion = PAPER_EXPANSION if args.expansion is None else parse_expansion(args.expansion)
-    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement, lookup=args.context_lookup)
+    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement, lookup=args.context_lookup,
+                  lookup_tokens=args.lookup_tokens)
 
 
 def cmd_generate(args) -> int:
@@ -97,11 +107,11 @@ def cmd_generate(args) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.llm or models_dir() / "llm"))
-        engine = load_engine(args)
         requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid)
                     for pid, text in prompts]
-        start = time.perf_counter()
         try:
+            engine = load_engine(args)
+            start = time.perf_counter()
             gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -284,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
                      help="in-process: also draft from each request's own earlier text, merged with the SSMs' trees "
                           "(through a server, its manager's --context-lookup decides)")
+    gen.add_argument("--lookup-tokens", type=positive_int, default=CHAIN_TOKENS,
+                     help="in-process: the longest chain context lookup drafts per step (default %(default)s)")
     add_client_flags(gen)
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="benchmark against transformers and through the services (specinfer_bench)")

@@ -74,6 +74,8 @@ def test_sampling_flags_are_seeded_and_bad_values_are_refused():
     assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
     bad = run_cli("--prompt", "x", "--top-p", "1.5", "--temperature", "1")
     assert bad.returncode == 2 and "top_p" in bad.stderr
+    bad = run_cli("--prompt", "x", "--lookup-tokens", "0")
+    assert bad.returncode == 2 and "--lookup-tokens: must be >= 1, got 0" in bad.stderr
 
 
 def test_generate_server_says_it_waits_for_an_absent_server_and_gives_up_after_wait_naming_it():

@@ -69,6 +69,19 @@ def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, ex
         assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"
 
 
+def test_context_lookup_chain_reaches_past_the_expansion_and_stops_at_its_length(shipped, reference):
+    """Context lookup's chain has its own length: with a one-level SSM tree, steps accept more than
+    one draft token (only the chain goes deeper), never more than `lookup_tokens`, and the output
+    stays the LLM's own."""
+    _, _, llm, ssms = shipped
+    prompts, want = reference
+    gens = Engine(llm, ssms[:1], Mode.TREE, [1], lookup=True, lookup_tokens=5).generate(
+        [Request(p, NEW_TOKENS) for p in prompts])
+    assert [g.token_ids for g in gens] == want
+    accepted = [a for g in gens for a in g.accepted]
+    assert 1 < max(accepted) <= 5, accepted
+
+
 def test_greedy_output_matches_incremental_decoding_through_static_buffers(shipped, reference):
     """Every forward pass padded to its bucket in persistent buffers (the CUDA-graph path, without
     the graph on the CPU): still the LLM's own greedy output."""

@@ -179,15 +179,20 @@ def test_bad_draft_vocabulary_is_refused_naming_the_file(tiny_pair, tmp_path, co
         LlamaModel.from_pretrained(draft_vocab_dir(tmp_path, llm_dir, content))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
-def test_projections_are_x_times_w_at_every_row_count(tiny_pair, rows):
-    """A layer's projections multiply 2-8 row inputs by their transposed copy (Dense.transpose), others
-    by W itself: every row count gives x @ W up to rounding."""
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 32, 33, 300])
+def test_projections_are_x_times_w_and_each_row_its_own(tiny_pair, rows):
+    """A layer's projections multiply up to Dense.PACKED_ROWS rows by W in oneDNN's layout
+    (Dense.pack), larger products by W itself: every row count gives x @ W up to rounding, and up
+    to PACKED_ROWS each row of a product is bit for bit that row multiplied alone, so a tree node's
+    projections do not depend on the rows beside it."""
     _, llm_dir, _ = tiny_pair
     dense = LlamaModel.from_pretrained(llm_dir).layers[0].gate_up
-    assert dense.transposed is not None
+    assert (dense.packed is not None) == torch.backends.mkldnn.is_available()
     x = torch.randn(rows, dense.weight.shape[0], generator=torch.Generator().manual_seed(rows))
     y = dense(x)
     assert y.is_contiguous()
     torch.testing.assert_close(y, x @ dense.weight, atol=ATOL, rtol=0)
-    assert dense.to(torch.float64).transposed is None  # cast: back to the plain weight
+    if rows <= dense.PACKED_ROWS:
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(dense(x[i: i + 1]), y[i: i + 1])
+    assert dense.to(torch.float64).packed is None  # cast: back to the plain weight
