@@ -32,8 +32,8 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return torch.zeros_like(q)
     B, M, n_real, tables, where, mask = plan
     L = mask.shape[-1]
-    k = k_cache.index_select(0, tables.flatten()).view(B, -1, hkv, d)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache.index_select(0, tables.flatten()).view(B, -1, hkv, d)[:, :L].transpose(1, 2)
+    k = k_cache.index_select(0, tables).view(B, -1, hkv, d)[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, tables).view(B, -1, hkv, d)[:, :L].transpose(1, 2)
     qp = q.new_zeros(B, M, hq, d)
     qp[where] = q[:n_real]
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
@@ -47,7 +47,7 @@ def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def _plan(batch: TreeBatch):
     """What every layer's call shares, from the batch alone: (requests B, queries per request M, real
-    queries, block tables [B, blocks] of the live requests, each query's (request, row) index into
+    queries, the live requests' block tables flattened [B * blocks], each query's (request, row) index into
     [B, M], the mask [B, 1, M, L]); None when no query is real. This batch's own sizes, not a
     capacity's bounds: the reference never runs inside a graph. A padded batch's empty slots and
     padding request (no keys) come last; their rows stay zeros."""
@@ -58,7 +58,7 @@ def _plan(batch: TreeBatch):
     qs = batch.host_q_starts[: live + 1]
     B, L, M = live, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
     device = batch.causal.device
-    tables = batch.block_tables[:B, : math.ceil(L / batch.block_size)].long()
+    tables = batch.block_tables[:B, : math.ceil(L / batch.block_size)].long().flatten()
     owner = batch.query_requests[:n_real].long()
     row = torch.arange(n_real, device=device) - batch.q_starts.long()[owner]  # index within its request
     where = (owner, row)
