@@ -3,7 +3,8 @@
 Produces, in Hugging Face format (config.json, model.safetensors, tokenizer files):
   models/llm    the LLM (Llama architecture, 8 layers)
   models/ssm-0  SSM 0 (1 layer), distilled from the LLM's own outputs
-  models/ssm-1  SSM 1 (1 layer), SSM 0 boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3)
+  models/ssm-1  SSM 1 (1 layer), SSM 0 boost-tuned on the samples SSM 0 gets wrong (SpecInfer section 3;
+               `--ssm1-layers 2`: the LLM's first two layers boost-tuned alike)
 Each SSM directory also holds draft_vocab.json: the `--draft-vocab` tokens the training corpus uses
 most, the only tokens the SSM's LM head keeps when it drafts (specinfer.model.LlamaModel.restrict_vocab).
 and models/heldout_prompts.jsonl: prompts cut from held-out files that no model saw.
@@ -269,16 +270,21 @@ def distill(ssm, seqs, ids, probs, weight, epochs, batch, lr, gen, ckpt, desc):
 
 
 @torch.no_grad()
-def argmax_tokens(model, seqs, vocab: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's most likely next token at every position of `seqs` (among the token ids `vocab` only,
-    when given: what a drafter with that draft vocabulary proposes)."""
+def top_tokens(model, seqs, vocab: torch.Tensor | None = None, k: int = 1) -> torch.Tensor:
+    """The model's k most likely next tokens [..., k] at every position of `seqs` (among the token ids
+    `vocab` only, when given: what a drafter with that draft vocabulary proposes)."""
     out = []
     for i in range(0, len(seqs), 64):
         logits = model(input_ids=seqs[i : i + 64]).logits
         if vocab is not None:
             logits = spread_vocab(logits[..., vocab], vocab, logits.shape[-1])
-        out.append(logits.argmax(-1))
+        out.append(logits.topk(k, dim=-1).indices)
     return torch.cat(out)
+
+
+def argmax_tokens(model, seqs, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's most likely next token at every position of `seqs` (within `vocab`, when given)."""
+    return top_tokens(model, seqs, vocab)[..., 0]
 
 
 def agrees(ssm, seqs, llm_top1, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -391,17 +397,24 @@ def agreements(models_: dict, tokenizer, prompts: list[str], vocabs: dict, new_t
         seq = continuations(models_["llm"], ids, new_tokens, False, torch.Generator().manual_seed(seed))
         greedy.append(seq)
         top1.append(models_["llm"](input_ids=seq).logits.argmax(-1))
-    hits, report = {}, {}
+    hits, guesses, report = {}, {}, {}
+    llm_next = torch.cat([t[0, -new_tokens - 1 : -1] for t in top1])
     for n in ("ssm-0", "ssm-1"):
         # positions whose next token is a generated one: from the prompt's last token on; the SSM
         # proposes from its draft vocabulary, as it does when it drafts
-        hits[n] = torch.cat([agrees(models_[n], s, t, vocabs[n])[0, -new_tokens - 1 : -1] for s, t in zip(greedy, top1)])
+        guesses[n] = torch.cat([top_tokens(models_[n], s, vocabs[n], 2)[0, -new_tokens - 1 : -1] for s in greedy])
+        hits[n] = (guesses[n][:, 0] == llm_next).float()
     if vocabs["ssm-0"] is not None:
-        llm_next = torch.cat([t[0, -new_tokens - 1 : -1] for t in top1])
         report["llm_greedy_in_draft_vocab"] = round(torch.isin(llm_next, vocabs["ssm-0"]).float().mean().item(), 4)
     report["agreement_ssm-0"] = round(hits["ssm-0"].mean().item(), 4)
     report["agreement_ssm-1"] = round(hits["ssm-1"].mean().item(), 4)
     report["agreement_merged"] = round(torch.maximum(hits["ssm-0"], hits["ssm-1"]).mean().item(), 4)
+    # what SSM 1 adds, against what a complement could: of SSM 0's misses, the share SSM 1's argmax
+    # catches, the share where it repeats SSM 0's wrong guess, and the share SSM 0's second choice catches
+    miss = hits["ssm-0"] == 0
+    report["ssm-0_misses_caught_by_ssm-1"] = round(hits["ssm-1"][miss].mean().item(), 4)
+    report["ssm-0_misses_repeated_by_ssm-1"] = round((guesses["ssm-1"][:, 0] == guesses["ssm-0"][:, 0])[miss].float().mean().item(), 4)
+    report["ssm-0_misses_caught_by_its_second_choice"] = round((guesses["ssm-0"][:, 1] == llm_next)[miss].float().mean().item(), 4)
     lookup = torch.cat([lookup_agrees(s[0], t[0], range(s.shape[1] - new_tokens - 1, s.shape[1] - 1)) for s, t in zip(greedy, top1)])
     report["agreement_context_lookup"] = round(lookup.mean().item(), 4)
     report["agreement_ssm-0_or_context_lookup"] = round(torch.maximum(hits["ssm-0"], lookup).mean().item(), 4)
@@ -465,6 +478,9 @@ def main():
     ap.add_argument("--distill-temperature", type=float, default=0.5,
                     help="temperature the LLM's top-k targets are sharpened to for both SSMs (1: as the LLM gives them)")
     ap.add_argument("--boost-epochs", type=int, default=2, help="epochs of SSM 1's boost-tuning from SSM 0")
+    ap.add_argument("--ssm1-layers", type=int, choices=(1, 2), default=1,
+                    help="SSM 1's layers: 1 starts it from SSM 0; 2 from the LLM's first two layers (two "
+                         "layers can copy from the context, where most of SSM 0's misses are)")
     ap.add_argument("--draft-vocab", type=int, default=3072,
                     help="tokens the SSMs draft from: the corpus's most frequent (the vocabulary size: all)")
     ap.add_argument("--heldout-every", type=int, default=20)
@@ -556,9 +572,12 @@ def train(args, work: Path, train_files, heldout_files):
     # Boost-tuning: SSM 1 starts from SSM 0 and is fine-tuned on the samples SSM 0 gets wrong, towards the
     # LLM's distribution without SSM 0's guess there: a merged tree already holds that guess, so SSM 1 is
     # worth most where it proposes the LLM's token among the others.
-    ssm1 = truncated(ssm0, ssm_cfg)
+    if args.ssm1_layers == 1:
+        ssm1, source = truncated(ssm0, ssm_cfg), "ssm-0"
+    else:
+        ssm1, source = truncated(llm, LlamaConfig(num_hidden_layers=args.ssm1_layers, **common)), f"llm-{args.ssm1_layers}-layers"
     distill(ssm1, seqs, top_ids, without(top_ids, targets, guess0), 1 - marked, args.boost_epochs, 32, 2e-3,
-            seeded(5), work / f"ssm-1-from-ssm-0-{recipe}-boost{args.boost_epochs}.ckpt", "SSM 1 boost-tuning")
+            seeded(5), work / f"ssm-1-from-{source}-{recipe}-boost{args.boost_epochs}.ckpt", "SSM 1 boost-tuning")
     hit1 = agrees(ssm1, seqs, top_ids[..., 0])
     print(f"greedy agreement with the LLM on the distillation set: SSM 0 {marked.mean():.3f}, "
           f"SSM 1 {hit1.mean():.3f}, SSM 1 where SSM 0 misses {(hit1 * (1 - marked)).sum() / (1 - marked).sum():.3f}, "
