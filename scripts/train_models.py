@@ -569,9 +569,10 @@ def train(args, work: Path, train_files, heldout_files):
     guess0 = argmax_tokens(ssm0, seqs)
     marked = (guess0 == top_ids[..., 0]).float()  # SpecInfer's "marked" samples: SSM 0 already right
 
-    # Boost-tuning: SSM 1 starts from SSM 0 and is fine-tuned on the samples SSM 0 gets wrong, towards the
-    # LLM's distribution without SSM 0's guess there: a merged tree already holds that guess, so SSM 1 is
-    # worth most where it proposes the LLM's token among the others.
+    # Boost-tuning: SSM 1 starts from SSM 0 (--ssm1-layers 2: from the LLM's first two layers) and is
+    # fine-tuned on the samples SSM 0 gets wrong, towards the LLM's distribution without SSM 0's guess
+    # there: a merged tree already holds that guess, so SSM 1 is worth most where it proposes the LLM's
+    # token among the others.
     if args.ssm1_layers == 1:
         ssm1, source = truncated(ssm0, ssm_cfg), "ssm-0"
     else:

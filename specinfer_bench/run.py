@@ -104,7 +104,7 @@ def main(args) -> int:
         for label, mode, expansion, lookup in configs:  # lookup None: context lookup alone, no SSM
             outs, figures = inprocess.run(llm, [] if lookup is None else ssms, mode, expansion, prompts, max_new, t,
                                           lookup is not False)
-            extra = {"tree_nodes": tree_size(expansion)} if expansion else {}  # lookup alone: its chain's
+            extra = {"tree_nodes": tree_size(expansion)} if expansion else {}  # lookup alone: its chain
             if lookup:
                 extra["lookup_tokens"] = CHAIN_TOKENS  # the chain's nodes come on top of the SSM's tree
             record(label, t, outs, figures, extra or None)
