@@ -8,11 +8,10 @@ import socket
 import ssl
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 
-from specinfer.checkpoints import models_dir
+from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer_rpc.config import EndpointConfig, load_config, option
 from specinfer_rpc.security import channel_credentials
 from specinfer_rpc.server import run
@@ -26,7 +25,7 @@ class GatewayConfig(EndpointConfig):
 
     port: int = option(8000, "HTTP port to listen on (0: any free port)")
     manager: str = option("127.0.0.1:50051", "the manager's address (its gRPC Generation API)")
-    tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer (and its chat template)")
+    tokenizer: str = option(DEFAULT_LLM, "the LLM's checkpoint (directory, .gguf file or the default), for its tokenizer and chat template")
     model_name: str = option("", "model id clients name (empty: the manager's model_name)")
     request_timeout: float = option(600.0, "seconds a generation may take before it fails 504")
     max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
@@ -46,7 +45,7 @@ async def main(cfg: GatewayConfig) -> None:
         raise ValueError("tls_cert: needed with tls_key")
     if cfg.tls_client_auth and not (cfg.tls_cert and cfg.tls_ca):
         raise ValueError("tls_ca: needed with tls_client_auth (and tls_cert)")
-    tokenizer = AutoTokenizer.from_pretrained(Path(cfg.tokenizer))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(cfg.tokenizer))
     # to the manager: TLS verified by tls_ca, presenting tls_cert (as the other services do)
     gateway = Gateway(cfg.manager, tokenizer, cfg.request_timeout,
                       channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), cfg.max_message_bytes, cfg.model_name)

@@ -365,7 +365,8 @@ def create_app(gateway: Gateway) -> FastAPI:
                           "speculators": info.speculators, "context_lookup_mask": info.context_lookup_mask,
                           "context_length": info.context_length,
                           "default_max_new_tokens": info.default_max_new_tokens,
-                          "max_new_tokens_cap": info.max_new_tokens_cap}}]}
+                          "max_new_tokens_cap": info.max_new_tokens_cap,
+                          "chat_template": bool(gateway.tokenizer.chat_template)}}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

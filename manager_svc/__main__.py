@@ -8,11 +8,10 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from specinfer.checkpoints import models_dir
+from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
 from specinfer_rpc.security import BearerToken, channel_credentials
@@ -42,7 +41,7 @@ class ManagerConfig(ServerConfig):
     discovery_interval: float = option(5.0, "seconds between DNS lookups of speculator replicas")
     auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none",
                              repr=False)  # never printed with the configuration
-    tokenizer: str = option(str(models_dir() / "llm"), "directory with the LLM's tokenizer.json")
+    tokenizer: str = option(DEFAULT_LLM, "the LLM's checkpoint (directory, .gguf file or the default), for its tokenizer")
     expansion: list[int] = option([1, 1, 1], "default expansion config k_1,...,k_m (the tree-shape search's pick for the shipped models "
                                              "on a CPU; see bench/results/services_defaults_cpu.md)")
     tree_budget: int = option(3, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
@@ -102,7 +101,7 @@ async def main(cfg: ManagerConfig) -> None:
         context_lookup_mask=1 << len(speculators) if scheduler.lookup else 0)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
-    servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json")), info)
+    servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json")), info)
     tasks = [asyncio.create_task(scheduler.run())]
     tasks[0].add_done_callback(stop_if_scheduler_ends)
     tasks += [asyncio.create_task(s.discover(cfg.discovery_interval)) for s in speculators]

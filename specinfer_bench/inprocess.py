@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
+from specinfer.checkpoints import checkpoint_dir
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
+from specinfer.prompts import prompt_ids
 from specinfer.sampling import SamplingParams
 
 CONFIGS = [  # (label, mode, expansion, context lookup: False, True (merged with the SSM's trees) or None (alone, no SSM))
@@ -49,3 +51,11 @@ def reference_greedy(llm_dir, prompts: list[list[int]], max_new_tokens: int) -> 
     """The LLM's own incremental greedy decoding, batched."""
     engine = Engine(LlamaModel.from_pretrained(llm_dir), mode=Mode.INCREMENTAL)
     return [g.token_ids for g in engine.generate([Request(p, max_new_tokens) for p in prompts])]
+
+
+def load_prompt_ids(llm, records: list[dict]) -> list[list[int]]:
+    """Prompt file records as token ids, with the LLM's tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(llm))
+    return [prompt_ids(tokenizer, r) for r in records]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specinfer.checkpoints import models_dir
+from specinfer.checkpoints import DEFAULT_LLM
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.tree import TokenTree, ancestor_bits, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
@@ -203,7 +203,8 @@ def plot(attention: list[dict], steps: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m specinfer_bench.kernel", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/kernel"))
-    p.add_argument("--model", choices=["1b", "shipped"], default=None, help="default: 1b on CUDA, shipped on CPU")
+    p.add_argument("--model", choices=["1b", "shipped"], default=None, help="default: 1b on CUDA, shipped (--llm) on CPU")
+    p.add_argument("--llm", default=DEFAULT_LLM, help="the shipped model's checkpoint (default: %(default)s)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak (default: by GPU name)")
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                               if cuda else None)
     model_kind = args.model or ("1b" if cuda else "shipped")
     model = (random_model(LLAMA_1B, dtype, device) if model_kind == "1b"
-             else LlamaModel.from_pretrained(models_dir() / "llm", dtype=dtype, device=device))
+             else LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device))
     n_params = sum(p.numel() for p in model.parameters())
     meta = {"machine": machine(), "dtype": str(dtype).removeprefix("torch."), "peak_gbps": peak,
             "model": f"{model_kind} ({n_params / 1e9:.2f}B parameters)", "prompt_len": args.prompt_len,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specinfer.checkpoints import models_dir
+from specinfer.checkpoints import DEFAULT_LLM, served_ssms
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator
@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expansion", default="2,1,1", help="speculator: expansion config")
     ap.add_argument("--repeats", type=int, default=10, help="steps timed per row (median reported)")
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    ap.add_argument("--llm", default=DEFAULT_LLM, help="LLM checkpoint (default: %(default)s)")
+    ap.add_argument("--ssm", default=next(iter(served_ssms()), None), help="SSM checkpoint (default: the served SSM)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    llm = LlamaModel.from_pretrained(models_dir() / "llm")
-    ssm = LlamaModel.from_pretrained(models_dir() / "ssm-0")
+    llm = LlamaModel.from_pretrained(args.llm)
+    ssm = LlamaModel.from_pretrained(args.ssm)
     expansion = [int(k) for k in args.expansion.split(",")]
     rows = []
     for temperature in (0.0, 0.8):

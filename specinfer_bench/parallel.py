@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import models_dir, resolve_device
+from specinfer.checkpoints import fixtures_dir, resolve_device
 from specinfer.kv_cache import POOL_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree
@@ -53,7 +53,8 @@ def measure(verifier, prompt_len: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m specinfer_bench.parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/parallel"))
-    p.add_argument("--llm", type=Path, default=models_dir() / "llm")
+    p.add_argument("--llm", default=str(fixtures_dir() / "llm"),
+                   help="LLM checkpoint (default: the fixture LLM; SmolLM2's 3 KV heads split over no tp > 1 but 3)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (and for the single process)")

@@ -9,9 +9,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
+from specinfer.checkpoints import checkpoint_dir
+
 
 def load(path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(path), dtype=torch.float32).eval()
     model.forwards = 0  # LLM forward passes, counted by a hook
     model.register_forward_hook(lambda m, *_: setattr(m, "forwards", m.forwards + 1))
     return model

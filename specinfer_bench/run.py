@@ -1,6 +1,6 @@
 """`specinfer bench`: where we stand, measured side by side in one run.
 
-On the held-out prompts with the shipped models (or --llm/--ssm), one request at a time:
+On the held-out prompts with the default LLM and its drafters (or --llm/--ssm/--prompt-file), one request at a time:
 transformers' incremental generate (the baseline), transformers' assisted generation with SSM 0
 (at its default and at each fixed number of assistant tokens, the best one reported as such), and
 ours in-process (incremental, sequence, tree configs and the tree-shape search's pick, alone and with
@@ -21,16 +21,17 @@ import json
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from specinfer.checkpoints import default_ssms, models_dir, served_ssms
+from specinfer.checkpoints import default_ssms, served_ssms
 from specinfer.generate import Mode
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel, read_draft_vocab
+from specinfer.prompts import read_prompt_file
 from specinfer.tree import tree_size
 
 from . import inprocess, peers, tree_search
+from .inprocess import load_prompt_ids
 from .report import machine, plot_bench, services_markdown, single_markdown, summarize
 
 
@@ -47,13 +48,14 @@ def search_tree(llm_dir: Path, ssm_dir: Path, prompts: list[list[int]], continua
 
 
 def main(args) -> int:
-    llm_dir = args.llm or models_dir() / "llm"
+    llm_dir = args.llm
     ssm_dirs = args.ssm or default_ssms()
+    if not ssm_dirs:
+        sys.exit("specinfer bench: no SSM: give --ssm (the default LLM's drafters are trained by scripts/train_models.py)")
     n_prompts = args.prompts or (4 if args.quick else 16)
     max_new = args.max_new_tokens or (32 if args.quick else 64)
     levels = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16,32")).split(",")]
-    tok = Tokenizer.from_file(str(llm_dir / "tokenizer.json"))
-    prompts = [tok.encode(json.loads(l)["prompt"]).ids for l in open(models_dir() / "heldout_prompts.jsonl")][:n_prompts]
+    prompts = load_prompt_ids(llm_dir, read_prompt_file(args.prompt_file))[:n_prompts]
 
     llm_hf, ssm_hf = peers.load(llm_dir), peers.load(ssm_dirs[0])
     reference, figures = peers.run(llm_hf, prompts, max_new, 0.0)
@@ -129,7 +131,8 @@ def main(args) -> int:
             expansion = next(e for label, _, e, _ in configs if label == r["config"])
             r["predicted_tokens_per_step"] = tree_search.expected_tokens_per_step(expansion, found["rank_acceptance"])
 
-    result = {"command": "specinfer bench " + " ".join(sys.argv[2:]), "machine": machine(), "prompts": len(prompts),
+    result = {"command": "specinfer bench " + " ".join(sys.argv[2:]), "machine": machine(), "llm": str(llm_dir),
+              "ssms": [str(d) for d in ssm_dirs], "dtype": "float32", "prompts": len(prompts),
               "max_new_tokens": max_new, "single": single, "services": services_rows, "services_rounds": rounds,
               "tree_search": found}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from specinfer.checkpoints import models_dir, resolve_device
+from specinfer.checkpoints import DEFAULT_LLM, fixtures_dir, resolve_device, served_ssms
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.speculator import Speculator
@@ -114,16 +114,17 @@ def bucket(runner: StepRunner, tokens: int) -> int | None:
     return next((b.capacity.queries for b in runner.buckets if b.capacity.queries >= tokens), None)
 
 
-def load(name: str, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """One of MODELS; the 1B-class LLM is inflated into a temporary directory and loaded from there."""
+def load(name: str, dtype: torch.dtype, device: torch.device, llm, ssm) -> LlamaModel:
+    """One of MODELS: `llm`, `ssm`, or the 1B-class LLM inflated from the fixture LLM (whose shape the
+    presets fit) into a temporary directory and loaded from there."""
     if name == "llm-1b":
-        src = models_dir() / "llm"
+        src = fixtures_dir() / "llm"
         cfg = ModelConfig.from_dir(src)
         hidden, intermediate, layers = PRESETS["llama-1b"]
         with tempfile.TemporaryDirectory() as tmp:
             inflate(src, Path(tmp), hidden, max(1, hidden // (cfg.num_heads * cfg.head_dim)), intermediate, layers)
             return LlamaModel.from_pretrained(tmp, dtype, device)
-    return LlamaModel.from_pretrained(models_dir() / ("ssm-0" if name == "ssm" else "llm"), dtype, device)
+    return LlamaModel.from_pretrained(ssm if name == "ssm" else llm, dtype, device)
 
 
 def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int]], modes: list[str], sizes: dict,
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json, OUT.md and OUT.png")
     ap.add_argument("--device", default="auto", help="auto (cuda if there is a GPU), cpu or cuda")
     ap.add_argument("--models", default=",".join(MODELS), help=f"some of {','.join(MODELS)}")
+    ap.add_argument("--llm", default=DEFAULT_LLM, help="the model 'llm' names (default: %(default)s)")
+    ap.add_argument("--ssm", default=next(iter(served_ssms()), None), help="the model 'ssm' names (default: the served SSM)")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--trees", default="0,16,64",
                     help=f"nodes per request's tree ({sorted(SSM_EXPANSIONS)} for the SSM)")
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if not cases[name]:
             continue
-        model = load(name, dtype, device)
+        model = load(name, dtype, device, args.llm, args.ssm)
         found, graph_bytes = bench_model(name, model, cases[name], ["eager", graphed], sizes, args.prompt_len,
                                          args.repeats, bar)
         rows += found

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.checkpoints import models_dir, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
+from specinfer.prompts import read_prompt_file
 from specinfer.generate import Request
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
@@ -101,16 +102,15 @@ def main() -> None:
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
                    help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
                         "@static: without the adaptive controller)")
-    p.add_argument("--llm", type=Path, default=models_dir() / "llm",
-                   help="LLM checkpoint directory (default: shipped; e.g. one made by specinfer_bench.inflate)")
-    p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM directories (default: shipped)")
+    p.add_argument("--llm", default=DEFAULT_LLM,
+                   help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
+    p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")
+    p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
     p.add_argument("--out", type=Path, default=Path("bench/results/services_cpu"))
     args = p.parse_args()
-    from tokenizers import Tokenizer
+    from .inprocess import load_prompt_ids, reference_greedy
 
-    tok = Tokenizer.from_file(str(args.llm / "tokenizer.json"))
-    prompts = [tok.encode(json.loads(l)["prompt"]).ids for l in open(models_dir() / "heldout_prompts.jsonl")]
-    from .inprocess import reference_greedy
+    prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
 
     reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]

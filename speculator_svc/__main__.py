@@ -9,7 +9,7 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DTYPES, resolve_device, served_ssms
+from specinfer.checkpoints import DTYPES, resolve_device, same_tokenizer, served_ssms
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -25,7 +25,7 @@ class SpeculatorConfig(ModelServerConfig):
     """The speculator service: SSMs building draft token trees for batches of requests."""
 
     ssm: list[str] = option([str(p) for p in served_ssms()],
-                            "SSM checkpoint directories (comma-separated); their trees are merged")
+                            "SSM checkpoints (comma-separated; directories or .gguf files); their trees are merged")
     q_top: int = option(32, "stochastic drafts: q is truncated to its most likely q_top tokens")
     port: int = option(50052, "port to listen on (0: any free port)")
 
@@ -33,8 +33,11 @@ class SpeculatorConfig(ModelServerConfig):
 def build(cfg: SpeculatorConfig) -> list[Speculator]:
     device = resolve_device(cfg.device)
     models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype], device=device) for d in cfg.ssm]
-    if len({m.cfg.vocab_size for m in models}) != 1:
-        raise SystemExit("speculator: the SSMs must share a tokenizer (vocab sizes differ)")
+    try:
+        for d in cfg.ssm[1:]:
+            same_tokenizer(cfg.ssm[0], d)
+    except ValueError as e:
+        raise SystemExit(f"speculator: {e}")
     speculators = [Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens, graphs=cfg.graphs(),
                               progress=True) for i, m in enumerate(models)]
     for spec, name in zip(speculators, cfg.ssm):

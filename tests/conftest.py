@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
+MODELS = ROOT / "models" / "fixtures"  # the tiny test-fixture pair (most tests run on it)
 
 
 def save_random_llama(path: Path, seed: int, vocab: int = 64, hidden: int = 32, layers: int = 2,

@@ -13,7 +13,7 @@ import torch
 
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
-from .conftest import ROOT
+from .conftest import MODELS, ROOT
 
 
 def simulated_tokens_per_step(expansion: list[int], p: list[float], trials: int, rng: random.Random) -> float:
@@ -79,7 +79,9 @@ def test_rank_acceptance_ranks_only_the_draft_vocabulary(tiny_pair):
 def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "specinfer_cli", "bench", "--quick", "--no-services", "--prompts", "2",
-                           "--max-new-tokens", "12", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           "--max-new-tokens", "12", "--out", str(out), "--llm", str(MODELS / "llm"),
+                           "--ssm", str(MODELS / "ssm-0"), "--ssm", str(MODELS / "ssm-1"),
+                           "--prompt-file", str(MODELS / "heldout_prompts.jsonl")], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
@@ -96,7 +98,8 @@ def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
 
 def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
     out = tmp_path / "kernel"
-    subprocess.run([sys.executable, "-m", "specinfer_bench.kernel", "--quick", "--out", str(out)], cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "specinfer_bench.kernel", "--quick", "--out", str(out), "--llm", str(MODELS / "llm")],
+                   cwd=ROOT,
                    check=True, capture_output=True, timeout=600)
     data = json.loads(out.with_suffix(".json").read_text())
     assert {(r["prefix"], r["tree"], r["batch"]) for r in data["attention"]} == {(64, t, b) for t in (1, 8) for b in (1, 2)}
@@ -110,7 +113,7 @@ def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
 def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_per_step(tmp_path):
     out = tmp_path / "runtime"
     proc = subprocess.run([sys.executable, "-m", "specinfer_bench.runtime", "--device", "cpu", "--models", "llm,ssm",
-                           "--batches", "1", "--trees", "0,16", "--repeats", "2", "--out", str(out)], cwd=ROOT,
+                           "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0"), "--batches", "1", "--trees", "0,16", "--repeats", "2", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())

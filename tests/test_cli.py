@@ -1,4 +1,4 @@
-"""`specinfer generate` as a user runs it: a real subprocess on the shipped models."""
+"""`specinfer generate` as a user runs it: a real subprocess on the test-fixture models."""
 
 import json
 import os
@@ -19,8 +19,11 @@ SUMMARY = re.compile(r"^\[(\w+)\] (\d+) requests?, (\d+) tokens in ([\d.]+) s \(
                      r"([\d.]+) tokens/step; (.+)$", re.MULTILINE)
 
 
+FIXTURES = ("--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0"), "--ssm", str(MODELS / "ssm-1"))
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", *args],
+    return subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", *FIXTURES, *args],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -105,7 +108,8 @@ def test_serve_answers_generate_server_like_in_process_and_stops_every_process_o
     prompt_file = tmp_path / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p["prompt"]}) + "\n"
                                    for i, p in enumerate(heldout_prompts[:3])))
-    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port), "--http-port", "0"],
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port), "--http-port", "0",
+                              "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0")],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # started at once: generate --server waits for the manager to come up
@@ -150,7 +154,7 @@ def children(pid: int) -> dict[int, str]:
 
 def test_serve_stopped_while_starting_stops_the_services_it_already_started():
     serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(free_port()),
-                              "--http-port", "0"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              "--http-port", "0", "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not any("speculator_svc" in c for c in children(serve.pid).values()):  # the verifier is up

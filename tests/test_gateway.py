@@ -55,12 +55,12 @@ def gw(tmp_path_factory):
         specs = ",".join(s.address for s in system.services if s.name.startswith("speculator"))
         manager = strict.start("manager-strict", "manager_svc",
                                ["--port", "0", "--metrics-port", "0", "--verifier", verifier, "--speculators", specs, "--auth-token", "sesame",
-                                "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1"], 120)
+                                "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1", "--tokenizer", str(MODELS / "llm")], 120)
         strict.start("gateway-strict", "gateway_svc", ["--port", "0", "--manager", manager.address, "--tokenizer",
                                                        str(chat_tok), "--request-timeout", "5"], 120, http="http")
         dead_port = free_port()
         dead = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--port", "0", "--manager",
-                                 f"127.0.0.1:{dead_port}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 f"127.0.0.1:{dead_port}", "--tokenizer", str(MODELS / "llm")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
         dead_address = next(line.split(" listening on ")[1].strip() for line in dead.stdout if " listening on " in line)
         yield {"system": system, "url": system.gateway.url, "strict": strict.by_name("gateway-strict").url,

@@ -215,7 +215,8 @@ def test_a_node_client_gets_the_same_tokens_as_the_python_client(system, heldout
 def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, heldout_ids):
     small = System()
     small.start("manager", "manager_svc", ["--port", "0", "--verifier", system.by_name("verifier").address,
-                                           "--max-batch", "1", "--max-queue", "1"], timeout=120)
+                                           "--max-batch", "1", "--max-queue", "1", "--tokenizer", str(MODELS / "llm")],
+                timeout=120)
     try:
         async def go():
             stub = connect(small.manager.address)
@@ -243,7 +244,8 @@ def test_one_speculator_hosting_both_ssms_merges_their_trees_with_exact_greedy_o
         both = extra.start("speculator", "speculator_svc",
                            ["--port", "0", "--threads", "1", "--ssm", f"{MODELS / 'ssm-0'},{MODELS / 'ssm-1'}"], 120)
         manager = extra.start("manager", "manager_svc", ["--port", "0", "--verifier", system.by_name("verifier").address,
-                                                         "--speculators", both.address], 120)
+                                                         "--speculators", both.address, "--tokenizer", str(MODELS / "llm")],
+                              120)
         prompts = heldout_ids[16:20]
         streams = generate_all(manager.address, [Request(p, 32) for p in prompts], "2,2,1")
         assert [s.token_ids for s in streams] == reference_greedy(prompts, 32)

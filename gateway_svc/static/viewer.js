@@ -112,6 +112,9 @@ async function loadModels() {
       ` · tree budget ${s.tree_budget ?? '–'} · ${s.speculators ?? 0} speculators`;
     $('speculation').options[0].textContent = `server default (${(s.expansion || []).join(',') || 'none'})`;
     drawLegend((s.speculators || 0) + (s.context_lookup_mask ? 1 : 0));
+    if ($('chat').disabled && s.chat_template) $('chat').checked = true;  // first contact: chat where the model has it
+    $('chat').disabled = !s.chat_template;
+    if (!s.chat_template) $('chat').checked = false;
     if ($('error').dataset.source === 'models') showError('');
   } catch (e) {
     server = null;
@@ -122,7 +125,7 @@ async function loadModels() {
 
 /** POST the request and call onEvent with each data event's JSON until [DONE]. */
 async function streamCompletion(body, onEvent, signal) {
-  const response = await fetch('/v1/completions', {
+  const response = await fetch(body.messages ? '/v1/chat/completions' : '/v1/completions', {
     method: 'POST', signal, body: JSON.stringify(body),
     headers: {'Content-Type': 'application/json', Accept: 'text/event-stream', ...authHeaders()},
   });
@@ -154,6 +157,10 @@ function requestBody() {
     temperature: Number($('temperature').value), top_p: 1, seed: Number($('seed').value),
     stream: true, stream_options: {include_usage: true}, return_draft_trees: true,
   };
+  if ($('chat').checked) {
+    body.messages = [{role: 'user', content: body.prompt}];
+    delete body.prompt;
+  }
   const mode = $('speculation').value;
   if (mode === 'off') body.speculation = 'off';
   if (mode === 'fixed') {
@@ -186,7 +193,7 @@ function addStep(choice) {
   const texts = choice.token_texts || ids.map(String);
   const previous = run.steps[run.steps.length - 1];
   const step = {
-    n: run.steps.length + 1, tree, ids, texts, text: choice.text || '', finish: choice.finish_reason,
+    n: run.steps.length + 1, tree, ids, texts, text: choice.text ?? choice.delta?.content ?? '', finish: choice.finish_reason,
     bonus: ids.length > tree.accepted.length ? texts[tree.accepted.length] : null,
     root: previous ? previous.texts[previous.texts.length - 1] ?? '' : null,
   };
@@ -247,7 +254,7 @@ async function generate(ev) {
     return;
   }
   showError('');
-  newRun(body.prompt);
+  newRun(body.prompt ?? body.messages[0].content);
   setStatus('running', 'streaming…');
   try {
     await streamCompletion(body, event => {
