@@ -42,11 +42,12 @@ class ManagerConfig(ServerConfig):
     auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none",
                              repr=False)  # never printed with the configuration
     tokenizer: str = option(DEFAULT_LLM, "the LLM's checkpoint (directory, .gguf file or the default), for its tokenizer")
-    expansion: list[int] = option([1, 1, 1], "default expansion config k_1,...,k_m (the tree-shape search's pick for the shipped models "
+    expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (for the default LLM and its drafter "
                                              "on a CPU; see bench/results/services_defaults_cpu.md)")
-    tree_budget: int = option(3, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 1,1,1: "
-                                 "the whole tree for 1 request, 1 level for 2-3, none from 4: plain incremental; "
-                                 "on a GPU, where a verifier step costs about the same for 1 row or 64, give it 64 or more)")
+    tree_budget: int = option(16, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 2,1,1: "
+                                  "the whole tree for 1-2 requests, 2 levels for 3-4, 1 for 5-8, none from 9: plain "
+                                  "incremental; on a GPU, where a verifier step costs about the same for 1 row or 64, "
+                                  "give it 64 or more)")
     adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none, or context "
                                   "lookup's chain alone without asking the speculators) from a cost model fitted "
                                   "online and the measured acceptance; off: the whole expansion within the tree budget")

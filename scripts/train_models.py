@@ -270,8 +270,8 @@ def train(args, llm, llm_dir, llm_file, tokenizer, train_files, heldout_files):
     code = heldout_prompts(heldout_files, args.prompts, random.Random(args.seed))
     chat = [{"id": f"chat-{k:02d}-{fn['name']}", "messages": chat_request(fn, k)}
             for k, fn in enumerate(functions(heldout_files, random.Random(args.seed + 1), args.prompts))]
-    with open(args.out / "prompts.jsonl", "w") as fh:
-        for p in code + chat:
+    with open(args.out / "prompts.jsonl", "w") as fh:  # interleaved: the first n are of both kinds
+        for p in (p for pair in zip(code, chat) for p in pair):
             fh.write(json.dumps(p) + "\n")
 
     work = args.work

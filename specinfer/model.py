@@ -154,7 +154,7 @@ class Dense(nn.Module):
     """y = x W (+ b) with W stored [in, out]."""
 
     PACKED_ROWS = 32  # products of up to this many rows go to oneDNN as they are (see `pack`)
-    ROW_BUCKETS = (48, 64, 96, 128, 192, 256)  # larger ones are zero-padded to one of these, then sliced
+    ROW_BUCKETS = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # larger ones: zero-padded to one, sliced
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()

@@ -22,12 +22,14 @@ from pathlib import Path
 
 from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, same_tokenizer,
                                    served_ssms)
-from specinfer.generate import PAPER_EXPANSION, Engine, Generation, Mode, Request
+from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.prompts import prompt_text, read_prompt_file
 from specinfer.sampling import SamplingParams
 from specinfer.tree import parse_expansion
+
+EXPANSION = [2, 1]  # in process: the tree search's pick for the default LLM and its drafter (bench/results/bench_cpu.md)
 
 
 def load_prompts(args) -> list[tuple[str, str]]:
@@ -65,7 +67,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--expansion", default=None,
                    help=f"tree expansion config k_1,...,k_m (sequence mode uses its depth; default "
-                        f"{','.join(map(str, PAPER_EXPANSION))}, or the server's)")
+                        f"{','.join(map(str, EXPANSION))}, the tree search's pick for the default LLM on a CPU; or the server's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--server", metavar="HOST:PORT", default=None,
                    help="send the requests to a running manager (specinfer serve) instead of running in-process")
@@ -95,7 +97,7 @@ def load_engine(args, mode: str) -> Engine:
     for d in ssm_dirs:
         same_tokenizer(args.llm, d)
     ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
-    expansion = PAPER_EXPANSION if args.expansion is None else parse_expansion(args.expansion)
+    expansion = EXPANSION if args.expansion is None else parse_expansion(args.expansion)
     return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
                   lookup_tokens=args.lookup_tokens)
 
@@ -128,7 +130,7 @@ def generate_once(args, prompts: list[tuple[str, str]], mode: str):
 
         run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
                               remote_speculation(mode, args.expansion), client_credentials(args),
-                              args.wait, waiting_notice("generate", args.server, args.wait))
+                              args.wait, waiting_notice("generate", args.server, args.wait), args.concurrency or 0)
         trees = tree_share(sum(u.verifier_steps for u in run.usages), run.tree_steps,
                            run.no_tree_reason or "the server gave no reason")
         return run.generations, run.texts, run.seconds, trees
@@ -136,7 +138,9 @@ def generate_once(args, prompts: list[tuple[str, str]], mode: str):
     requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid) for pid, text in prompts]
     engine = load_engine(args, mode)
     start = time.perf_counter()
-    gens = engine.generate(requests, progress=not args.json and sys.stderr.isatty())
+    step = args.concurrency or len(requests)
+    gens = [g for i in range(0, len(requests), step)
+            for g in engine.generate(requests[i : i + step], progress=not args.json and sys.stderr.isatty())]
     seconds = time.perf_counter() - start
     return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds, in_process_tree_use(mode)
 
@@ -148,7 +152,7 @@ def remote_speculation(mode: str, expansion: str | None) -> str | None:
     if mode == Mode.INCREMENTAL.value:
         return "off"
     if mode == Mode.SEQUENCE.value:
-        depth = len(PAPER_EXPANSION if expansion is None else parse_expansion(expansion))
+        depth = len(EXPANSION if expansion is None else parse_expansion(expansion))
         return ",".join(["1"] * depth)
     return expansion
 
@@ -332,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text, in-process or through a server")
     add_request_flags(gen)
     add_model_flags(gen)
+    gen.add_argument("--concurrency", type=positive_int, default=None,
+                     help="requests in flight at once (default: all; in-process, each group is decoded as one batch)")
     gen.add_argument("--compare-off", action="store_true",
                      help="then run the same requests with speculation off and print the speed-up")
     gen.add_argument("--draft-replacement", action="store_true",

@@ -143,9 +143,10 @@ class RemoteRun:
 
 def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
                     speculation: str | None, credentials: grpc.ChannelCredentials | None = None,
-                    wait: float = 60.0, on_waiting: Callable[[], None] | None = None) -> RemoteRun:
+                    wait: float = 60.0, on_waiting: Callable[[], None] | None = None,
+                    concurrency: int = 0) -> RemoteRun:
     """`specinfer generate --server`: wait up to `wait` s for the server (see `connect_when_ready`),
-    tokenize on it, send every prompt concurrently, detokenize on it. Raises RuntimeError naming the
+    tokenize on it, send the prompts, `concurrency` streams at a time (0: all at once), detokenize on it. Raises RuntimeError naming the
     address, with the server's status if it answered, on failure."""
 
     async def run():
@@ -156,7 +157,12 @@ def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens
             requests = [request_pb(Request(list(p.token_ids), max_new_tokens, sampling), speculation)
                         for p in prompt_ids]
             start = time.perf_counter()
-            streams = await asyncio.gather(*(generate(stub, r) for r in requests))
+            slots = asyncio.Semaphore(concurrency or len(requests))
+
+            async def one(r):
+                async with slots:
+                    return await generate(stub, r)
+            streams = await asyncio.gather(*(one(r) for r in requests))
             seconds = time.perf_counter() - start
             texts = await asyncio.gather(*(stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=s.token_ids))
                                            for s in streams))

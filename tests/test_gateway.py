@@ -19,6 +19,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from manager_svc.__main__ import ManagerConfig
 from specinfer_rpc.launch import System, launch
 
 from .conftest import MODELS, ROOT
@@ -255,4 +256,4 @@ def gateway_metric(url: str, name: str) -> float:
 def test_models_lists_the_served_model_with_its_speculation_settings(gw):
     models = client(gw["url"]).models.list().data
     assert [m.id for m in models] == ["llm"]
-    assert models[0].model_extra["specinfer"]["expansion"] == [1, 1, 1]
+    assert models[0].model_extra["specinfer"]["expansion"] == ManagerConfig().expansion

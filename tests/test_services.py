@@ -12,6 +12,7 @@ import time
 import grpc
 import pytest
 
+from manager_svc.__main__ import ManagerConfig
 from specinfer.generate import Request
 from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import connect, generate, generate_all, request_pb
@@ -187,7 +188,8 @@ def test_model_info_tokenize_and_health_and_reflection(system):
         return info, text
     info, text = asyncio.run(go())
     assert info.vocab_size == VOCAB and info.context_length == 2048 and list(info.eos_token_ids) == [0]
-    assert info.speculators == 2 and list(info.expansion) == [1, 1, 1] and info.tree_budget == 3
+    defaults = ManagerConfig()
+    assert info.speculators == 2 and list(info.expansion) == defaults.expansion and info.tree_budget == defaults.tree_budget
     assert info.context_lookup_mask == 4  # bit 2 of a tree node's speculators: after the two speculators
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
