@@ -20,7 +20,7 @@ position of those sequences, within its draft vocabulary.
 
 Every stage is cached or checkpointed under --work: run the same command again to resume.
 
-    python scripts/train_models.py                   # about 45 minutes on this 2-core VM
+    python scripts/train_models.py                   # about 40 minutes on this 2-core VM
     python scripts/train_models.py --evaluate-only   # measure the drafters in --out
 
 The evaluation (greedy agreement of the SSM and of context lookup with the LLM on the held-out prompts'

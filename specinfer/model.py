@@ -19,6 +19,7 @@ hand it, and nothing about sampling.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import json
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.nn import functional as F
 
 from specinfer_kernels import (Capacity, Needs, RequestView, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
                                to_device, tree_attention)
@@ -183,11 +185,10 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if self.packed is not None and n <= self.ROW_BUCKETS[-1]:
-            rows = n if n <= self.PACKED_ROWS else next(b for b in self.ROW_BUCKETS if b >= n)
-            if rows != n:
-                x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return y if rows == n else y[:n]
+            rows = n if n <= self.PACKED_ROWS else self.ROW_BUCKETS[bisect.bisect_left(self.ROW_BUCKETS, n)]
+            if rows == n:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, rows - n)), self.packed, self.bias, "none", [], "")[:n]
         y = x @ self.weight
         return y + self.bias if self.bias is not None else y
 

@@ -19,7 +19,7 @@ def read_prompt_file(path: str | Path) -> list[dict]:
             record = json.loads(line)
             if "prompt" not in record and "messages" not in record:
                 raise ValueError(f"{path}:{n + 1}: no 'prompt' or 'messages' field")
-            records.append({"id": str(record.get("id", n)), **record})
+            records.append({**record, "id": str(record.get("id", n))})
     return records
 
 

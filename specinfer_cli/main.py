@@ -12,6 +12,7 @@ apart from where requests run, so the same flags serve a remote server.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -25,34 +26,44 @@ from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_
 from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
-from specinfer.prompts import prompt_text, read_prompt_file
+from specinfer.prompts import prompt_ids, prompt_text, read_prompt_file
 from specinfer.sampling import SamplingParams
 from specinfer.tree import parse_expansion
 
 EXPANSION = [2, 1]  # in process: the tree search's pick for the default LLM and its drafter (bench/results/bench_cpu.md)
 
 
-def load_prompts(args) -> list[tuple[str, str]]:
-    """(id, text) pairs from --prompt or a --prompt-file (specinfer.prompts: a chat request is rendered
-    with the LLM's chat template)."""
+def load_prompts(args) -> list[dict]:
+    """Prompt records (specinfer.prompts) from --prompt or a --prompt-file."""
     if args.prompt is not None:
-        return [("0", args.prompt)]
+        return [{"id": "0", "prompt": args.prompt}]
     try:
-        records = read_prompt_file(args.prompt_file)
-        tokenizer = load_tokenizer(args.llm) if any("messages" in r for r in records) else None
-        return [(r["id"], prompt_text(tokenizer, r)) for r in records]
+        return read_prompt_file(args.prompt_file)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}")
 
 
+@functools.cache
 def load_tokenizer(llm):
-    """The LLM's tokenizer (with its chat template); the core never needs one."""
+    """The LLM's tokenizer (with its chat template), loaded once; the core never needs one."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(checkpoint_dir(llm)))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}")
+
+
+def texts_for_server(llm, records: list[dict]) -> list[str]:
+    """The records as text for a server to tokenize: a chat request rendered here with the LLM's chat template."""
+    tokenizer = load_tokenizer(llm) if any("messages" in r for r in records) else None
+    return [prompt_text(tokenizer, r) for r in records]
+
+
+@functools.cache
+def load_model(ref, dtype: str) -> LlamaModel:
+    """A model loaded once per process (--compare-off runs the LLM twice)."""
+    return LlamaModel.from_pretrained(ref, dtype=DTYPES[dtype])
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -91,12 +102,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_engine(args, mode: str) -> Engine:
-    dtype = DTYPES[args.dtype]
-    llm = LlamaModel.from_pretrained(args.llm, dtype=dtype)
+    llm = load_model(args.llm, args.dtype)
     ssm_dirs = [] if mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
     for d in ssm_dirs:
         same_tokenizer(args.llm, d)
-    ssms = [LlamaModel.from_pretrained(d, dtype=dtype) for d in ssm_dirs]
+    ssms = [load_model(d, args.dtype) for d in ssm_dirs]
     expansion = EXPANSION if args.expansion is None else parse_expansion(args.expansion)
     return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
                   lookup_tokens=args.lookup_tokens)
@@ -122,12 +132,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def generate_once(args, prompts: list[tuple[str, str]], mode: str):
-    """(generations, texts, seconds, what the steps' trees were) of one run of every prompt."""
+def generate_once(args, records: list[dict], mode: str):
+    """(generations, texts, seconds, what the steps' trees were) of one run of every prompt record."""
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 
+        prompts = [(r["id"], text) for r, text in zip(records, texts_for_server(args.llm, records))]
         run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
                               remote_speculation(mode, args.expansion), client_credentials(args),
                               args.wait, waiting_notice("generate", args.server, args.wait), args.concurrency or 0)
@@ -135,7 +146,7 @@ def generate_once(args, prompts: list[tuple[str, str]], mode: str):
                            run.no_tree_reason or "the server gave no reason")
         return run.generations, run.texts, run.seconds, trees
     tokenizer = load_tokenizer(args.llm)
-    requests = [Request(tokenizer(text)["input_ids"], args.max_new_tokens, sampling, id=pid) for pid, text in prompts]
+    requests = [Request(prompt_ids(tokenizer, r), args.max_new_tokens, sampling, id=r["id"]) for r in records]
     engine = load_engine(args, mode)
     start = time.perf_counter()
     step = args.concurrency or len(requests)
@@ -240,7 +251,7 @@ def cmd_loadtest(args) -> int:
     from specinfer_rpc.load import run_load
     from specinfer_rpc.v1 import generation_pb2
 
-    texts = [t for _, t in load_prompts(args)]
+    texts = texts_for_server(args.llm, load_prompts(args))
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
 
     credentials = client_credentials(args)
