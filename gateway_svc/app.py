@@ -7,12 +7,16 @@ event. Errors before the first token are HTTP statuses (gRPC INVALID_ARGUMENT 40
 401, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504), after it an error event; both
 in OpenAI's error shape. A client that goes away cancels its gRPC call, so every service frees the
 request. The caller's `Authorization` header is passed to the manager as is.
+
+`seed`: the same prompt, seed and settings give the same text whatever the speculation and the load
+(the manager's coupled sampling); a request without one gets a fresh seed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -169,7 +173,7 @@ class Gateway:
         request = generation_pb2.GenerateRequest(
             prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                               seed=body.seed or 0),
+                                               seed=secrets.randbits(64) if body.seed is None else body.seed),
             stopping=generation_pb2.StoppingCriteria(max_new_tokens=body.max_tokens or 0, stop_token_ids=stop_ids,
                                                      ignore_eos=body.ignore_eos),
             speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees)

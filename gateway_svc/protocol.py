@@ -77,7 +77,7 @@ class _Generation(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)  # OpenAI's default; 0 is greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=1 << 64)  # unset: 0
+    seed: int | None = Field(None, ge=0, lt=1 << 64)  # unset: a fresh one per request
     stop: str | list[str | int] | None = None  # strings, and token ids (ints)
     stream: bool = False
     stream_options: StreamOptions | None = None

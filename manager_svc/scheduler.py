@@ -19,7 +19,8 @@ tree_budget // batch_size nodes, so speculation shrinks as the batch grows; with
 controller (controller.py) picks each iteration's depth of the server's trees from a cost model
 fitted online and the measured acceptance, down to none (plain incremental decoding), or context
 lookup's chain alone (no speculator asked: no drafting time, no RPC). A request
-that fixes its own expansion gets exactly that (its seeded samples then do not depend on the load).
+that fixes its own expansion gets exactly that. Which trees are verified never changes a request's
+tokens, apart from sampled requests that ask for MSS (their seeded samples then depend on the trees).
 
 Nothing here runs a model: the event loop moves token IDs. It knows nothing of protobuf.
 """
@@ -344,7 +345,7 @@ class Scheduler:
             if self.lookup:
                 s.context.extend(d.record[len(s.context.tokens):])
                 if chain := s.context.draft(len(d.expansion)):
-                    trees[len(answers)] = chain_tree(chain, s.request.sampling.greedy)
+                    trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
                 s.no_tree["no speculator sent a tree in time" if self._asks(s, choice)
                           else "context lookup found no earlier occurrence to continue"] += 1

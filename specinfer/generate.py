@@ -158,7 +158,7 @@ class Engine:
             if i in live:
                 ctx.extend(record_from(live[i], out[i].token_ids, len(ctx.tokens)))
                 if draft := ctx.draft(min(self.lookup_tokens, room[i])):
-                    per_request[i].append(chain_tree(draft, live[i].sampling.greedy))
+                    per_request[i].append(chain_tree(draft, live[i].sampling.sampled_drafts))
         return {i: (TokenTree() if not trees else trees[0] if len(trees) == 1 else merge(trees))
                 for i, trees in per_request.items()}
 

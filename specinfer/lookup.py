@@ -56,9 +56,9 @@ class ContextIndex:
         return []
 
 
-def chain_tree(tokens: list[int], greedy: bool) -> TokenTree:
-    """The draft `tokens` as a chain below the root; under sampling each node is a draw from the
-    point mass on its token."""
+def chain_tree(tokens: list[int], groups: bool) -> TokenTree:
+    """The draft `tokens` as a chain below the root; with `groups` (for MSS) each node is recorded
+    as a draw from the point mass on its token."""
     parents = list(range(-1, len(tokens) - 1))
-    groups = [] if greedy else [DraftGroup(p, [t], [1.0], [u], False) for u, (t, p) in enumerate(zip(tokens, parents))]
-    return TokenTree(list(tokens), parents, groups)
+    draws = [DraftGroup(p, [t], [1.0], [u], False) for u, (t, p) in enumerate(zip(tokens, parents))]
+    return TokenTree(list(tokens), parents, draws if groups else [])

@@ -11,10 +11,19 @@ the numbers are for (e.g. "verify" and the request's position) into a 32-bit key
 uniform number on the device, as tensor ops with no state. A request's draws therefore depend
 only on its seed and the counters, never on which other requests share a batch or in what order
 the device computes them, and drawing them needs no host round trip.
+
+Coupled sampling (`coupled_sample`, the default for sampled requests): the LLM's token at record
+position t is the Gumbel-max sample argmax_v log p_t(v) + G(seed, t, v), written in its
+exponential-race form argmax_v p_t(v) / E(seed, t, v) with E = -log u. The noise belongs to the
+(seed, position, token), not to a tree node or a batch row, so the token is a function of the seed
+and the record alone: whatever was drafted, verification (which then just matches drafts against
+it) emits exactly the tokens plain seeded sampling emits. Its result depends on p only through the
+order of p(v) / E(v), so rounding of the logits moves it only where two of those nearly tie.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -30,10 +39,20 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k truncation
     top_p: float = 1.0  # 1 means no nucleus truncation
     seed: int = 0
+    # sampled requests: False (default) drafts the SSMs' top-k and verifies by matching them against
+    # the coupled sample (the same tokens whatever the speculation); True draws the drafts from the
+    # SSMs and verifies by the paper's multi-step speculative sampling (verify.py), whose tokens
+    # depend on the trees drafted
+    mss: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def sampled_drafts(self) -> bool:
+        """Drafts are draws from the SSMs' q, recorded in the tree for MSS; otherwise their top-k."""
+        return self.mss and not self.greedy
 
     def validate(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -42,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
@@ -88,42 +109,66 @@ def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
 
 
 def stream_key(seed: int, *keys: int | str) -> int:
     """A 32-bit key for one request's random numbers for one purpose, e.g. (seed, "verify", position)."""
     h = hashlib.blake2b(digest_size=4)
-    h.update(struct.pack("<q", seed))
+    h.update(struct.pack("<Q", seed))
     for key in keys:
         h.update(b"\x00" + str(key).encode())
     return int.from_bytes(h.digest(), "little")
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32), in 16-bit halves so nothing overflows."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values -> int32 with the same low 32 bits (two's complement)."""
+    return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer: a bijection of [0, 2**32) that mixes every bit into every bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    """MurmurHash3's 32-bit finalizer, a bijection of the 32-bit words that mixes every bit into
+    every bit, on int32 tensors: multiplication wraps modulo 2**32 and right shifts are masked to
+    be logical, so the bits equal the unsigned definition on every device (a test checks them)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * -0x7A143595  # 0x85EBCA6B as int32
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * -0x3D4D51CB  # 0xC2B2AE35 as int32
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _mix(key: torch.Tensor, *counters: torch.Tensor | int) -> torch.Tensor:
+    """32 random bits (int32) per element of the broadcast of `key` and the counters."""
+    h = _int32(key)
+    for c in counters:
+        if isinstance(c, int):  # made on the device: no host-to-device copy
+            c = torch.full((), c, dtype=torch.long, device=key.device)
+        h = _fmix32(h ^ _fmix32(_int32(c + _GOLDEN)))
+    return h
 
 
 def uniform(key: torch.Tensor, *counters: torch.Tensor | int) -> torch.Tensor:
     """Uniform numbers in (0, 1), float64, one per element of the broadcast of `key` (int64, from
     `stream_key`) and the counters (non-negative ints below 2**32)."""
-    h = key
-    for c in counters:
-        if isinstance(c, int):  # made on the device: no host-to-device copy
-            c = torch.full((), c, dtype=torch.long, device=key.device)
-        h = _fmix32(h ^ _fmix32((c + 0x9E3779B9) & _M32))
-    return (h.double() + 0.5) * 2.0**-32
+    return ((_mix(key, *counters).long() & _M32).double() + 0.5) * 2.0**-32
 
 
+@functools.cache
+def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
+    """_fmix32 of each token id's counter word, the part of `_mix(key, token)` that depends only on
+    the token, computed once per vocabulary and device."""
+    return _fmix32(_int32(torch.arange(vocab, device=device) + _GOLDEN))
+
+
+def coupled_sample(p: torch.Tensor, key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One token per row of p [R, V] (non-negative, any positive total): argmax_v p[v] / E_v with
+    E_v = -log u and u the uniform number of (key [R], position [R], v), i.e. a sample with
+    probability p[v] / sum(p) made of noise that only the key, the position and the token decide.
+
+    u keeps 23 bits, (2m + 1) / 2**24, so that it and -log u are exact in float32 at both ends."""
+    bits = _fmix32(_mix(key, position)[:, None] ^ _token_words(p.shape[-1], p.device))
+    u = ((bits >> 8) & 0x7FFFFF).float().mul_(2.0).add_(1.0).mul_(2.0**-24)
+    return (p.float() / u.log_().neg_()).argmax(dim=-1)
 def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of p [R, V] (non-negative, any positive total) by inverting its CDF at
     u [R] in (0, 1): token i with probability p_i / sum(p). Never a token of zero probability."""

@@ -5,8 +5,9 @@ and an SSM KV cache. `draft` grows every request's tree one level at a time with
 forward per level: level 1 comes from the row of the last committed token (the root), level i+1
 from the rows of level i's nodes, each node attending to the committed prefix and its ancestors.
 
-Greedy: a node at depth i gets the top-k_i tokens as children.
-Stochastic: a node at depth i gets k_i draws from q, the SSM's distribution after the request's
+Greedy, and sampled requests verified by coupled matching: a node at depth i gets the top-k_i
+tokens as children.
+Sampled drafts (requests verified by MSS): a node at depth i gets k_i draws from q, the SSM's distribution after the request's
 sampling transforms, truncated to its `q_top` most likely tokens and renormalized; draws are
 sequential without replacement by default (drawn at once as the top k_i of log q + Gumbel noise,
 which is the same law), i.i.d. with replacement on request (k_i inverse-CDF draws). The draws and q
@@ -95,9 +96,8 @@ class Speculator:
     @torch.no_grad()
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
         caches = self._sync(batch)
-        keys = [None if r.sampling.greedy else
-                stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
-                for r, c in zip(batch, caches)]
+        keys = [stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
+                if r.sampling.sampled_drafts else None for r, c in zip(batch, caches)]
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
         rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
         items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
@@ -128,7 +128,7 @@ class Speculator:
     def _expand(self, logits: torch.Tensor, rows: list[_Row], k: list[int], batch: list[DraftRequest],
                 keys: list[int | None], depth: int) -> tuple[torch.Tensor, ...]:
         """Children of every row at once: (tokens [R, kmax], drawn [R, kmax] bool (False: past the
-        support of q), q_ids [S, K], q_probs [S, K]) with S the rows of sampled requests."""
+        support of q), q_ids [S, K], q_probs [S, K]) with S the rows of requests with sampled drafts."""
         dev = logits.device
         to = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
         R, kmax = len(rows), max(k)
@@ -196,7 +196,7 @@ class Speculator:
                     if good:
                         children.append(len(tree.tokens) - 1)
                 req = batch[row.request]
-                if not req.sampling.greedy:
+                if req.sampling.sampled_drafts:
                     ids, probs = qi[s * width:(s + 1) * width], qp[s * width:(s + 1) * width]
                     support = sum(p > 0 for p in probs)
                     if children:

@@ -11,8 +11,16 @@ decoding token for token. Batched: node u matches when its token is the argmax a
 is accepted when it and all its ancestors match (one gather per tree level); the deepest accepted
 node's argmax is the bonus.
 
-Stochastic, multi-step speculative sampling (MSS). p: the LLM's distribution at the node after the
-request's sampling transforms. The node's draft groups are tried in order; each draw x from q:
+Coupled (sampled requests, the default): the same walk with the LLM's coupled sample
+(sampling.coupled_sample, keyed by the request's seed and the record position) in place of the
+argmax: accept the child whose token equals it, else it is the bonus. Output equals plain seeded
+sampling token for token, whatever was drafted. A child is accepted with probability p(its token),
+so for drafts that are an SSM's top-k (deterministic) a node accepts with p(x_1) + ... + p(x_k),
+which is what MSS gives point-mass proposals. Batched: every request walks at once, one sample per
+request and tree level ([B, V] per level, not per node).
+
+Stochastic, multi-step speculative sampling (MSS; sampled requests with `mss` set). p: the LLM's
+distribution at the node after the request's sampling transforms. The node's draft groups are tried in order; each draw x from q:
     r ~ U(0, 1);  accept x if r <= p(x) / q(x)
     otherwise     p <- normalize(max(0, p - q))                 (residual)
                   q <- normalize(q with x removed)              (only for draws without replacement)
@@ -35,7 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probabilities, sample, stream_key, uniform
+from .sampling import (
+    SamplingParams,
+    coupled_sample,
+    probabilities,
+    sample,
+    stream_key,
+    uniform,
+)
 from .tree import TokenTree, depths
 
 BONUS_DRAW = 1 << 16  # the draw counter of the bonus token (real draws of a node count from 0)
@@ -54,15 +69,15 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
     Returns each request's verdict after one copy of the verdicts to the host."""
     n = max((len(t) for t in trees), default=0)
     dev = logits.device
-    greedy = [b for b, s in enumerate(sampling) if s.greedy]
-    sampled = [b for b, s in enumerate(sampling) if not s.greedy]
-    rules = [(part, rule) for part, rule in ((greedy, _greedy), (sampled, _stochastic)) if part]
+    parts = {_greedy: [], _coupled: [], _stochastic: []}
+    for b, s in enumerate(sampling):
+        parts[_greedy if s.greedy else _stochastic if s.mss else _coupled].append(b)
+    rules = [(part, rule) for rule, part in parts.items() if part]
     # [B, bonus + accepted flags]; when the whole batch follows one rule, that rule's output as it is
     out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev) if len(rules) != 1 else None
     for part, rule in rules:
         table = _Table.build([trees[b] for b in part], [row_starts[b] for b in part], n, dev)
-        keys = [stream_key(sampling[b].seed, "verify", positions[b]) for b in part]
-        decided = rule(table, logits, [sampling[b] for b in part], keys)
+        decided = rule(table, logits, [sampling[b] for b in part], [positions[b] for b in part])
         if out is None:
             out = decided
         else:
@@ -96,7 +111,7 @@ class _Table:
         return cls(to(tokens), to(parents), to(rows), trees, node_depths, depth)
 
 
-def _greedy(t: _Table, logits: torch.Tensor, sampling, keys) -> torch.Tensor:
+def _greedy(t: _Table, logits: torch.Tensor, sampling, positions) -> torch.Tensor:
     target = logits.argmax(dim=-1)[t.rows]  # [B, 1 + n]: the LLM's argmax after the root and each node
     match = t.tokens == target.gather(1, t.parents + 1)  # [B, n]
     ok = match
@@ -110,27 +125,73 @@ def _greedy(t: _Table, logits: torch.Tensor, sampling, keys) -> torch.Tensor:
     return torch.cat([bonus, ok.long()], dim=1)
 
 
-def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], keys: list[int]) -> torch.Tensor:
+@dataclass
+class _Walk:
+    """Every request's walk down its tree at once: the current node, the accepted nodes, whether
+    it has stopped and, once it has, the bonus token."""
+
+    batch: torch.Tensor  # [B] 0..B-1
+    cur: torch.Tensor  # [B] the current node + 1 (0: the root)
+    accepted: torch.Tensor  # [B, n] bool
+    done: torch.Tensor  # [B] bool
+    bonus: torch.Tensor  # [B]
+
+    @classmethod
+    def start(cls, B: int, n: int, dev) -> "_Walk":
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)
+        return cls(torch.arange(B, device=dev), zeros(B), zeros(B, n, dtype=torch.bool), zeros(B, dtype=torch.bool),
+                   zeros(B))
+
+    def rows(self, t: _Table) -> torch.Tensor:
+        """The logits rows of the current nodes."""
+        return t.rows[self.batch, self.cur]
+
+    def advance(self, child: torch.Tensor, bonus: torch.Tensor) -> None:
+        """child [B]: the current node's accepted child (-1: none; then `bonus` [B] ends the walk)."""
+        took = (child >= 0) & ~self.done
+        stop = ~self.done & ~took
+        self.bonus = torch.where(stop, bonus, self.bonus)
+        self.accepted |= took[:, None] & (torch.arange(self.accepted.shape[1], device=child.device) == child[:, None])
+        self.cur = torch.where(took, child + 1, self.cur)
+        self.done |= stop
+
+    def verdicts(self) -> torch.Tensor:
+        return torch.cat([self.bonus[:, None], self.accepted.long()], dim=1)
+
+
+def _coupled(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    dev = logits.device
+    B, n = t.tokens.shape
+    to = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
+    key, position = to([stream_key(s.seed, "sample") for s in sampling]), to(positions)
+    walk = _Walk.start(B, n, dev)
+    for depth in range(t.depth + 1):
+        target = coupled_sample(probabilities(logits[walk.rows(t)], sampling), key, position + depth)
+        hit = (t.parents + 1 == walk.cur[:, None]) & (t.tokens == target[:, None])  # [B, n]: at most one
+        child = torch.where(hit.any(dim=1), (hit.long() * torch.arange(n, device=dev)).sum(dim=1), -1)
+        walk.advance(child, target)
+    return walk.verdicts()
+
+
+def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
     dev = logits.device
     B, n = t.tokens.shape
     draws = _Draws.build(t, dev)
+    keys = [stream_key(s.seed, "verify", pos) for s, pos in zip(sampling, positions)]
     key = torch.tensor(keys, dtype=torch.long).to(dev, non_blocking=True)
-    batch = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)  # the current node + 1 (0: the root)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    accepted = torch.zeros(B, n, dtype=torch.bool, device=dev)
-    bonus = torch.zeros(B, dtype=torch.long, device=dev)
+    walk = _Walk.start(B, n, dev)
     for depth in range(t.depth + 1):
-        p = probabilities(logits[t.rows[batch, cur]], sampling).double()  # [B, V] at the current nodes
+        p = probabilities(logits[walk.rows(t)], sampling).double()  # [B, V] at the current nodes
         q_ids = torch.zeros(B, draws.q_ids.shape[1], dtype=torch.long, device=dev)
         q = torch.zeros(B, draws.q_ids.shape[1], dtype=torch.float64, device=dev)
         child = torch.full((B,), -1, dtype=torch.long, device=dev)
-        start, count = draws.start.gather(1, cur[:, None])[:, 0], draws.count.gather(1, cur[:, None])[:, 0]
+        start = draws.start.gather(1, walk.cur[:, None])[:, 0]
+        count = draws.count.gather(1, walk.cur[:, None])[:, 0]
         widest = draws.widest[depth]
         counters = torch.tensor([*range(widest), BONUS_DRAW]).to(dev, non_blocking=True)
         r = uniform(key[:, None], depth, counters)  # [B, widest + 1]: each draw's r, then the bonus's
         for j in range(widest):
-            live = (j < count) & ~done & (child < 0)
+            live = (j < count) & ~walk.done & (child < 0)
             d = (start + j).clamp(max=draws.child.shape[1] - 1)[:, None]
             g, x_node, first = draws.group.gather(1, d)[:, 0], draws.child.gather(1, d)[:, 0], draws.first.gather(1, d)
             x = t.tokens.gather(1, x_node[:, None]).clamp(min=0)  # [B, 1] (padding: any token, not live)
@@ -145,13 +206,8 @@ def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams],
             without = q.masked_fill(q_ids == x, 0.0)
             left = without.sum(dim=1, keepdim=True)
             q = torch.where(reject & ~draws.replacement[g][:, None] & (left > 0), without / left, q)
-        took = child >= 0
-        stop = ~done & ~took
-        bonus = torch.where(stop, sample(p, r[:, -1]), bonus)
-        accepted |= took[:, None] & (torch.arange(n, device=dev) == child[:, None])
-        cur = torch.where(took, child + 1, cur)
-        done |= stop
-    return torch.cat([bonus[:, None], accepted.long()], dim=1)
+        walk.advance(child, sample(p, r[:, -1]))
+    return walk.verdicts()
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

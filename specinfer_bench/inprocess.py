@@ -25,7 +25,7 @@ QUICK = {"ours incremental", "ours sequence <1x4>", "ours tree <2,1,1>", "ours t
 
 
 def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int], prompts: list[list[int]],
-        max_new_tokens: int, temperature: float, lookup: bool = False) -> tuple[list[list[int]], dict]:
+        max_new_tokens: int, temperature: float, lookup: bool = False, mss: bool = False) -> tuple[list[list[int]], dict]:
     """Outputs and figures: tokens, LLM forwards (prefill included), per-request seconds, and the
     acceptance by depth (share of steps whose accepted path reached depth d)."""
     engine = Engine(llm, ssms, mode, expansion, lookup=lookup)
@@ -34,7 +34,7 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
     steps = 0
     for i, p in enumerate(prompts):
         start = time.perf_counter()
-        g = engine.generate([Request(p, max_new_tokens, SamplingParams(temperature, seed=i), id=str(i))])[0]
+        g = engine.generate([Request(p, max_new_tokens, SamplingParams(temperature, seed=i, mss=mss), id=str(i))])[0]
         seconds.append(time.perf_counter() - start)
         outs.append(g.token_ids)
         forwards += g.steps + 1

@@ -45,23 +45,23 @@ def count(fn) -> tuple[int, int]:
 
 
 def verifier_step(verifier: Verifier, batch: int, tree: int, temperature: float = 0.0, prompt_len: int = 32,
-                  rng: random.Random | None = None):
+                  rng: random.Random | None = None, mss: bool = False):
     """A function that runs one verifier step over `batch` fresh requests (the verifier's earlier
     ones released; random `prompt_len`-token prompts, prefilled here), each with a tree of the same
-    `tree`-node shape and fresh random tokens; sampled trees get one draft group per node. Random
+    `tree`-node shape and fresh random tokens; trees for MSS (`mss`) get one draft group per node. Random
     drafts are almost never accepted: a step adds about one token per request."""
     rng = rng or random.Random(batch)
     vocab = verifier.model.cfg.vocab_size
     for rid in list(verifier.caches):
         verifier.release(rid)
-    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
+    params = [SamplingParams(temperature, seed=i, mss=mss) for i in range(batch)]
     verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], TokenTree(), params[i])
                    for i in range(batch)])
     shape = random_tree(random.Random(0), tree, 2).parents
 
     def step():
         trees = [TokenTree(rng.sample(range(vocab), len(shape)), shape) for _ in range(batch)]  # one node per path
-        if temperature:
+        if params[0].sampled_drafts:
             for t in trees:
                 t.groups = [DraftGroup(p, [tok], [1.0], [u], False) for u, (tok, p) in enumerate(zip(t.tokens, t.parents))]
         verifier.step([VerifyRequest(str(i), [], trees[i], params[i]) for i in range(batch)])
@@ -69,7 +69,7 @@ def verifier_step(verifier: Verifier, batch: int, tree: int, temperature: float 
 
 
 def speculator_draft(spec: Speculator, batch: int, expansion: list[int], temperature: float = 0.0,
-                     prompt_len: int = 32, rng: random.Random | None = None):
+                     prompt_len: int = 32, rng: random.Random | None = None, mss: bool = False):
     """A function that runs one draft of `expansion` trees for `batch` fresh requests (the
     speculator's earlier ones released), each told one new random token (their random
     `prompt_len`-token prompts are drafted from once here)."""
@@ -77,7 +77,7 @@ def speculator_draft(spec: Speculator, batch: int, expansion: list[int], tempera
     vocab = spec.model.cfg.vocab_size
     for rid in list(spec.caches):
         spec.release(rid)
-    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
+    params = [SamplingParams(temperature, seed=i, mss=mss) for i in range(batch)]
     spec.draft([DraftRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], expansion, params[i])
                 for i in range(batch)])
     return lambda: spec.draft([DraftRequest(str(i), [rng.randrange(vocab)], expansion, params[i])
@@ -105,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     ssm = LlamaModel.from_pretrained(args.ssm)
     expansion = [int(k) for k in args.expansion.split(",")]
     rows = []
-    for temperature in (0.0, 0.8):
+    for temperature, mss in ((0.0, False), (0.8, False), (0.8, True)):  # greedy, coupled matching, MSS
         for b in [int(x) for x in args.batches.split(",")]:
-            v_ops, v_syncs, v_ms = measure(verifier_step(Verifier(llm), b, args.tree, temperature), args.repeats)
-            s_ops, s_syncs, s_ms = measure(speculator_draft(Speculator(ssm), b, expansion, temperature), args.repeats)
-            rows.append({"temperature": temperature, "batch": b, "verifier_ops": v_ops, "verifier_syncs": v_syncs,
+            v_ops, v_syncs, v_ms = measure(verifier_step(Verifier(llm), b, args.tree, temperature, mss=mss), args.repeats)
+            s_ops, s_syncs, s_ms = measure(speculator_draft(Speculator(ssm), b, expansion, temperature, mss=mss),
+                                           args.repeats)
+            rows.append({"temperature": temperature, "mss": mss, "batch": b, "verifier_ops": v_ops, "verifier_syncs": v_syncs,
                          "verifier_ms": v_ms, "speculator_ops": s_ops, "speculator_syncs": s_syncs,
                          "speculator_ms": s_ms})
             print(rows[-1], flush=True)
@@ -121,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"`{meta['command']}` on {meta['machine']}", "",
                  f"Verifier step: {args.tree}-node trees; speculator: one <{args.expansion}> draft per request.", "",
                  "Times are medians of wall time on this machine (noisy; the counts are exact).", "",
-                 "| T | batch | verifier ops | verifier syncs | verifier ms | speculator ops | speculator syncs | speculator ms |",
-                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {r['temperature']:g} | {r['batch']} | {r['verifier_ops']} | {r['verifier_syncs']} | "
+                 "T=0.8 rows: coupled matching over top-k drafts (the default), and MSS over sampled drafts.", "",
+                 ("| T | rule | batch | verifier ops | verifier syncs | verifier ms | speculator ops "
+                  "| speculator syncs | speculator ms |"),
+                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        rule = lambda r: "greedy" if not r["temperature"] else "MSS" if r["mss"] else "coupled"
+        lines += [f"| {r['temperature']:g} | {rule(r)} | {r['batch']} | {r['verifier_ops']} | {r['verifier_syncs']} | "
                   f"{r['verifier_ms']:.2f} | {r['speculator_ops']} | {r['speculator_syncs']} | {r['speculator_ms']:.2f} |"
                   for r in rows]
         args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -57,11 +57,12 @@ def single_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
-def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds: int) -> str:
+def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds: int, temperature: float = 0.0) -> str:
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == "off"}
     lines = [f"# Through the services ({meta['machine']})", "", f"`{meta['command']}`", "",
              "config = expansion@tree budget (the manager's defaults; @static: no adaptive controller; "
-             "@nolookup: no context lookup); greedy; "
+             "@nolookup: no context lookup; @mss: sampled drafts verified by MSS instead of top-k drafts matched "
+             "against the coupled sample); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
              f"ignore_eos; {max_new_tokens} new tokens per request; medians of {rounds} interleaved runs (tok/s of "
              "each run in the JSON); iteration split from the manager over all its runs", "",
              "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
 from specinfer.prompts import read_prompt_file
 from specinfer.generate import Request
+from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
@@ -34,13 +35,14 @@ from .report import command_line, machine, plot_services, services_markdown
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
-    """'off', or EXPANSION@TREE_BUDGET[@static][@nolookup] (@static: without the adaptive controller;
-    @nolookup: without the manager's context lookup)."""
+    """'off', or EXPANSION@TREE_BUDGET[@static][@nolookup][@mss] (@static: without the adaptive
+    controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
+    sampled drafts and MSS, a request option the manager's flags do not see)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     if config != "off":
         expansion, budget, *options = config.split("@")
-        if unknown := set(options) - {"static", "nolookup"}:
-            raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} (static, nolookup)")
+        if unknown := set(options) - {"static", "nolookup", "mss"}:
+            raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} (static, nolookup, mss)")
         flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
                   "--no-adaptive" if "static" in options else "--adaptive",
                   "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
@@ -53,9 +55,11 @@ def manager_stats(log: Path) -> dict:
 
 
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
-            levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int) -> list[dict]:
+            levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int,
+            temperature: float = 0.0) -> list[dict]:
     """One row per (config, concurrency). `reference`: greedy outputs (32 tokens) of prompts[:len(reference)]
-    that every setting must reproduce before it is timed."""
+    that every setting must reproduce before it is timed. The load's requests sample at `temperature`
+    (0: greedy), seeded."""
     logs = Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -75,8 +79,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         order = list(managers.items())
         for r in range(rounds):  # interleaved, so that the machine's drift hits all settings alike,
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
+                sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[2:])
                 report = asyncio.run(run_load(manager.address, prompts, c, duration=1e9, max_new_tokens=max_new_tokens,
-                                              max_requests=c * requests_per_stream))
+                                              max_requests=c * requests_per_stream, sampling=sampling))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
                 runs.setdefault((config, c), []).append(report.summary())
@@ -99,6 +104,7 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="runs of every setting, interleaved; medians reported")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy), seeded")
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
                    help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
                         "@static: without the adaptive controller)")
@@ -115,11 +121,11 @@ def main() -> None:
     reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
     rows = measure(args.llm, args.ssm or served_ssms(), prompts, reference, configs, levels,
-                   args.requests_per_stream, args.max_new_tokens, args.rounds)
+                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    text = services_markdown(rows, meta, args.max_new_tokens, args.rounds)
+    text = services_markdown(rows, meta, args.max_new_tokens, args.rounds, args.temperature)
     args.out.with_suffix(".md").write_text(text)
     plot_services(rows, configs, levels, args.out.with_suffix(".png"), meta["machine"])
     print(text)

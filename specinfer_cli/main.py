@@ -75,7 +75,11 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the same seed gives the same sampled tokens whatever the speculation (unless --mss)")
+    p.add_argument("--mss", action="store_true",
+                   help="sampled: draft by sampling and verify by multi-step speculative sampling instead of "
+                        "matching top-k drafts against the seeded sample (tokens then depend on the trees)")
     p.add_argument("--expansion", default=None,
                    help=f"tree expansion config k_1,...,k_m (sequence mode uses its depth; default "
                         f"{','.join(map(str, EXPANSION))}, the tree search's pick for the default LLM on a CPU; or the server's)")
@@ -134,7 +138,7 @@ def cmd_generate(args) -> int:
 
 def generate_once(args, records: list[dict], mode: str):
     """(generations, texts, seconds, what the steps' trees were) of one run of every prompt record."""
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.mss)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--compare-off", action="store_true",
                      help="then run the same requests with speculation off and print the speed-up")
     gen.add_argument("--draft-replacement", action="store_true",
-                     help="in-process stochastic drafts drawn i.i.d. (default: without replacement)")
+                     help="in-process, with --mss: drafts drawn i.i.d. (default: without replacement)")
     gen.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,
                      help="in-process: also draft from each request's own earlier text, merged with the SSMs' trees "
                           "(through a server, its manager's --context-lookup decides)")

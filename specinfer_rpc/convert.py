@@ -9,11 +9,11 @@ from .v1 import common_pb2
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed)
+    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed, pb.mss)
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, mss=s.mss)
 
 
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:

@@ -20,6 +20,12 @@ def reference_greedy(prompts: list[list[int]], max_new_tokens: int, ignore_eos: 
     return [g.token_ids for g in gens]
 
 
+def seeded_reference(request: Request) -> list[int]:
+    """Plain seeded sampling: the LLM alone (in-process, fp32, no speculation) on a sampled request."""
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    return Engine(llm, mode=Mode.INCREMENTAL).generate([request])[0].token_ids
+
+
 def active_requests(system) -> dict[str, int]:
     """Requests holding state on each verifier and speculator process."""
     out = {}

@@ -125,16 +125,26 @@ def same_tree(a: TokenTree, b: TokenTree) -> bool:
 
 def test_a_seeded_sampled_tree_is_the_same_alone_and_in_any_batch(heldout_ids):
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, mss=True)
     mine = DraftRequest("me", heldout_ids[0], [2, 2, 1], params)
     alone = Speculator(ssm).draft([mine])[0]
-    others = [DraftRequest(f"o{i}", p, [3, 1], SamplingParams(1.0, seed=i), replacement=bool(i % 2))
+    others = [DraftRequest(f"o{i}", p, [3, 1], SamplingParams(1.0, seed=i, mss=i < 2), replacement=bool(i % 2))
               for i, p in enumerate(heldout_ids[1:5])]
     crowd = Speculator(ssm).draft(others[:2] + [mine] + others[2:])[2]
     assert alone.groups and same_tree(alone, crowd)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
+def test_drafts_for_coupled_matching_are_the_ssms_top_k_whatever_the_sampling(heldout_ids):
+    """A sampled request verified by matching (not MSS) gets the greedy tree: the SSM's top-k at
+    every node, with no draft groups."""
+    spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"))
+    greedy = spec.draft([DraftRequest("a", heldout_ids[0], [2, 2, 1])])[0]
+    sampled = Speculator(spec.model).draft([DraftRequest("a", heldout_ids[0], [2, 2, 1], SamplingParams(1.3, seed=4))])[0]
+    assert sampled == greedy and not sampled.groups and len(greedy) == 2 + 4 + 4
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3),
+                                      SamplingParams(temperature=0.8, seed=3, mss=True)])
 def test_redrafting_with_no_new_tokens_gives_the_same_tree(sampling):
     spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"))
     first = spec.draft([DraftRequest("a", [5, 6, 7, 8], [1, 1, 3], sampling)])[0]
@@ -159,13 +169,15 @@ def test_the_speculator_service_redrafts_a_request_with_no_new_tokens():
         system.stop()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperature):
+@pytest.mark.parametrize("temperature,mss", [(0.0, False), (0.8, False), (0.8, True)])
+def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperature, mss):
+    """Greedy, sampled with coupled matching (top-k drafts) and sampled with MSS (sampled drafts)."""
     llm = LlamaModel.from_pretrained(MODELS / "llm")
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
-    verifier = {b: ops.count(ops.verifier_step(Verifier(llm), b, 8, temperature)) for b in (1, 32)}
-    speculator = {b: ops.count(ops.speculator_draft(Speculator(ssm), b, [2, 1, 1], temperature)) for b in (1, 32)}
-    print(f"T={temperature}: verifier step (ops, syncs) {verifier}; speculator <2,1,1> draft {speculator}")
+    verifier = {b: ops.count(ops.verifier_step(Verifier(llm), b, 8, temperature, mss=mss)) for b in (1, 32)}
+    speculator = {b: ops.count(ops.speculator_draft(Speculator(ssm), b, [2, 1, 1], temperature, mss=mss))
+                  for b in (1, 32)}
+    print(f"T={temperature} mss={mss}: verifier step (ops, syncs) {verifier}; speculator <2,1,1> draft {speculator}")
     for counts in (verifier, speculator):
         assert counts[32][0] <= 1.2 * counts[1][0]
         assert counts[1][1] == counts[32][1] == 1

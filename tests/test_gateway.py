@@ -20,10 +20,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from manager_svc.__main__ import ManagerConfig
+from specinfer.generate import Request
+from specinfer.sampling import SamplingParams
 from specinfer_rpc.launch import System, launch
 
 from .conftest import MODELS, ROOT
-from .services import active_requests, reference_greedy
+from .services import active_requests, reference_greedy, seeded_reference
 
 CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}### assistant:\n{% endif %}")
@@ -110,6 +112,25 @@ def test_completions_greedy_text_is_the_llm_alone_streamed_or_not(gw, tokenizer,
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
         assert [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == want_ids
         assert chunks[-1].usage.completion_tokens == 32 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_a_seed_gives_plain_seeded_samplings_text_whatever_the_speculation_and_no_seed_a_fresh_one(gw, tokenizer,
+                                                                                              heldout_prompts):
+    c = client(gw["url"])
+    prompt = heldout_prompts[1]["prompt"]
+    ids = tokenizer(prompt)["input_ids"]
+    plain = seeded_reference(Request(ids, 24, SamplingParams(0.8, top_p=0.95, seed=7), ignore_eos=True))
+
+    def tokens(speculation, seed=7, temperature=0.8) -> list[int]:
+        extra = {"ignore_eos": True} | ({"speculation": speculation} if speculation else {})
+        chunks = c.completions.create(model="llm", prompt=prompt, max_tokens=24, temperature=temperature, top_p=0.95,
+                                      seed=seed, stream=True, extra_body=extra)
+        return [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+
+    for speculation in ("off", "2,2,1", None):
+        assert tokens(speculation) == plain, speculation
+    unseeded = {tuple(tokens(None, seed=None, temperature=1.5)) for _ in range(3)}
+    assert len(unseeded) > 1, "no seed: a fresh seed per request"
 
 
 def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer, heldout_prompts):

@@ -85,7 +85,7 @@ def test_static_buffers_give_the_eager_logits_for_verifier_steps(heldout_ids, mo
         assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5, mss=True)])
 def test_static_buffers_give_the_eager_trees_for_speculator_drafts(heldout_ids, sampling, monkeypatch):
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
     expansions = [[2, 1, 1], [1, 1, 3, 1], [3, 2], []]
@@ -161,7 +161,8 @@ def test_a_draft_through_static_buffers_synchronizes_once(heldout_ids, temperatu
     """The SSM's whole draft for a fixed expansion is a sequence of padded steps (replayed graphs
     on CUDA) with no host synchronization until the finished trees are copied out."""
     spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"), graphs=STATIC)
-    batch = [DraftRequest(str(i), p, [2, 2, 1], SamplingParams(temperature, seed=i)) for i, p in enumerate(heldout_ids[:4])]
+    batch = [DraftRequest(str(i), p, [2, 2, 1], SamplingParams(temperature, seed=i, mss=True))
+             for i, p in enumerate(heldout_ids[:4])]
     spec.draft(batch)  # prefill
     again = [DraftRequest(r.request_id, [5], r.expansion, r.sampling) for r in batch]
     assert ops.count(lambda: spec.draft(again))[1] == 1

@@ -55,10 +55,10 @@ def test_longer_matches_win_over_later_shorter_ones():
 
 
 def test_chains_are_verifiable_and_sampled_ones_are_point_masses():
-    assert chain_tree([], greedy=True).tokens == []
-    greedy = chain_tree([4, 4, 2], greedy=True)
+    assert chain_tree([], groups=False).tokens == []
+    greedy = chain_tree([4, 4, 2], groups=False)
     assert greedy.parents == [-1, 0, 1] and not greedy.groups
-    sampled = chain_tree([4, 4, 2], greedy=False)
+    sampled = chain_tree([4, 4, 2], groups=True)
     check_verifiable(sampled)
     assert [(g.parent, g.q_ids, g.q_probs, g.children) for g in sampled.groups] == [
         (-1, [4], [1.0], [0]), (0, [4], [1.0], [1]), (1, [2], [1.0], [2])]

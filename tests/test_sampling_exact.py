@@ -1,9 +1,14 @@
-"""Stochastic verification preserves the LLM's distribution exactly.
+"""Stochastic verification preserves the LLM's distribution exactly, and a seed repeats tokens.
 
-Each test runs many seeded requests through the real Engine (speculators, merge, verifier) and
-compares the emitted tokens with the exact distribution of plain sampling from the LLM with a
-chi-square goodness-of-fit test. A deliberately wrong acceptance rule is rejected by the same test,
-so the test has power.
+Each distribution test runs many seeded requests through the real Engine (speculators, merge,
+verifier) and compares the emitted tokens with the exact distribution of plain sampling from the
+LLM with a chi-square goodness-of-fit test, for both rules: the paper's multi-step speculative
+sampling over sampled drafts (`mss`) and coupled matching over top-k drafts (the default). A
+deliberately wrong acceptance rule is rejected by the same test, so the test has power.
+
+Coupled matching also makes a seeded request's tokens those of plain seeded sampling whatever the
+speculation and the batch; keying its noise by batch row instead of by position breaks that, and
+the same test sees it.
 
 Two kinds of model:
 - `MarkovModel`: next-token logits depend only on the last token (logits = log P[last]). It has the
@@ -14,6 +19,7 @@ Two kinds of model:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from types import SimpleNamespace
@@ -29,7 +35,7 @@ from specinfer.kv_cache import KVPool
 from specinfer.model import DRAFT_VOCAB, LlamaModel
 from specinfer.sampling import SamplingParams, probabilities
 
-from .conftest import save_random_llama
+from .conftest import MODELS, save_random_llama
 
 ALPHA = 1e-3  # a correct rule fails with this probability per test (seeds are fixed, so never flaky)
 
@@ -100,10 +106,9 @@ def markov_exact(P: torch.Tensor, start: int, params: SamplingParams, skip: int,
 
 
 def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), new_tokens=4, graphs=GraphConfig(),
-        lookup=False):
+        lookup=False, mss=True):
     engine = Engine(llm, ssms, mode, expansion, replacement, graphs, lookup)
-    reqs = [Request(list(prompt), new_tokens, SamplingParams(params.temperature, params.top_k, params.top_p, seed=s))
-            for s in range(n)]
+    reqs = [Request(list(prompt), new_tokens, dataclasses.replace(params, seed=s, mss=mss)) for s in range(n)]
     return engine.generate(reqs)
 
 
@@ -153,10 +158,87 @@ def test_chi_square_rejects_a_rule_without_the_residual_update(monkeypatch):
     assert chi_square_pvalue(samples, markov_exact(P_LLM, 0, T08, skip=1, keep=3)) < 1e-6
 
 
-def test_same_seed_same_tokens_whatever_the_batch():
+COUPLED = {  # name: (mode, number of SSMs, expansion, sampling, context lookup)
+    "off": (Mode.INCREMENTAL, 0, [], T08, False),
+    "tree": (Mode.TREE, 1, [3, 2, 2], T08, False),
+    "merged_two_ssms": (Mode.MERGED, 2, [2, 2, 2], T08, False),
+    "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], SamplingParams(temperature=1.3, top_k=3, top_p=0.8), False),
+    "tree_and_context_lookup": (Mode.TREE, 1, [2, 1, 2], T08, True),
+}
+
+
+@pytest.mark.parametrize("name", COUPLED)
+def test_coupled_matching_emits_the_llm_distribution(name):
+    mode, n_ssm, expansion, params, lookup = COUPLED[name]
+    llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM[:n_ssm]]
+    gens = run(llm, ssms, mode, expansion, params, n=6000, prompt=LOOKUP_PROMPT if lookup else (0,), lookup=lookup,
+               mss=False)
+    if n_ssm or lookup:
+        assert sum(g.accepted[0] for g in gens) > 0.3 * len(gens), "drafts were hardly ever accepted"
+    samples = [tuple(g.token_ids[1:4]) for g in gens]
+    assert chi_square_pvalue(samples, markov_exact(P_LLM, 0, params, skip=1, keep=3)) > ALPHA
+
+
+SETTINGS = {  # name: (mode, number of SSMs, expansion, context lookup)
+    "off": (Mode.INCREMENTAL, 0, [], False),
+    "sequence": (Mode.SEQUENCE, 1, [1, 1, 1, 1], False),
+    "tree_2_2_1": (Mode.TREE, 1, [2, 2, 1], False),
+    "tree_4_2": (Mode.TREE, 1, [4, 2], False),
+    "merged": (Mode.MERGED, 2, [1, 1, 3, 1, 1, 1, 1, 1], False),
+    "merged_and_lookup": (Mode.MERGED, 2, [2, 1, 1], True),
+    "lookup_alone": (Mode.TREE, 0, [2, 1, 1], True),
+}
+
+
+def seeded_tokens(llm, ssms, settings=SETTINGS) -> dict[tuple[str, str], list[int]]:
+    """One seeded sampled request's tokens, alone and among 16 others (greedy, sampled, MSS, other
+    seeds and prompts), under each speculation setting."""
+    mine = Request([1, 2, 3, 1, 2], 40, SamplingParams(0.8, top_p=0.95, seed=7), ignore_eos=True, id="mine")
+    crowd = [Request([i % 4, (i * 3) % 4, 1], 20 + i, SamplingParams(0.0 if i % 3 == 0 else 1.0, top_k=i % 4, seed=i,
+                                                                      mss=i % 3 == 2), ignore_eos=True, id=str(i))
+             for i in range(16)]
+    out = {}
+    for name, (mode, n_ssm, expansion, lookup) in settings.items():
+        engine = Engine(llm, ssms[:n_ssm], mode, expansion, lookup=lookup)
+        out[name, "alone"] = engine.generate([mine])[0].token_ids
+        out[name, "crowd"] = next(g.token_ids for g in engine.generate(crowd[:9] + [mine] + crowd[9:]) if g.id == "mine")
+    return out
+
+
+@pytest.mark.parametrize("models", ["markov", "llama"])
+def test_a_seed_gives_the_same_tokens_whatever_the_speculation_and_the_batch(models):
+    """Coupled matching: plain seeded sampling's tokens (speculation off, alone) under every
+    setting, alone and in a crowd; another seed gives others."""
+    if models == "markov":
+        llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
+    else:
+        llm, ssms = LlamaModel.from_pretrained(MODELS / "llm"), [LlamaModel.from_pretrained(MODELS / f"ssm-{i}")
+                                                                 for i in range(2)]
+    out = seeded_tokens(llm, ssms)
+    plain = out["off", "alone"]
+    assert len(plain) == 40 and all(tokens == plain for tokens in out.values()), \
+        {k: v for k, v in out.items() if v != plain}
+    other = Engine(llm, ssms, Mode.MERGED, [2, 2, 2]).generate(
+        [Request([1, 2, 3, 1, 2], 40, SamplingParams(0.8, top_p=0.95, seed=8), ignore_eos=True)])[0].token_ids
+    assert other != plain
+
+
+def test_noise_keyed_by_batch_row_instead_of_position_breaks_the_seed(monkeypatch):
+    """WRONG on purpose: the coupled sample's noise keyed by the row it has in the batch."""
+    real = verify_module.coupled_sample
+    monkeypatch.setattr(verify_module, "coupled_sample",
+                        lambda p, key, position: real(p, key, torch.arange(len(key), device=p.device)))
+    out = seeded_tokens(MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM],
+                        {k: SETTINGS[k] for k in ("off", "tree_2_2_1")})
+    assert out["off", "alone"] != out["off", "crowd"]
+
+
+@pytest.mark.parametrize("mss", [True, False], ids=["mss", "coupled"])
+def test_same_seed_same_tokens_whatever_the_batch(mss):
+    """Both rules, with the same trees."""
     llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
     engine = Engine(llm, ssms, Mode.MERGED, [2, 2, 2])
-    req = lambda seed: Request([1, 2], 24, SamplingParams(0.9, seed=seed))
+    req = lambda seed: Request([1, 2], 24, SamplingParams(0.9, seed=seed, mss=mss))
     alone = engine.generate([req(42)])[0].token_ids
     crowd = engine.generate([req(1), req(42), req(7)])[1].token_ids
     again = engine.generate([req(42)])[0].token_ids
@@ -201,17 +283,19 @@ def llama_exact(hf, prompt: list[int], params: SamplingParams, keep: int) -> dic
 STATIC = GraphConfig(mode="static", max_tokens=65536, max_batch=4096, max_tree=32, max_context=32)
 
 
-@pytest.mark.parametrize("mode,replacement,graphs,drafting", [
-    (Mode.TREE, True, GraphConfig(), False), (Mode.TREE, False, GraphConfig(), False),
-    (Mode.MERGED, False, GraphConfig(), False), (Mode.MERGED, False, STATIC, False), (Mode.MERGED, False, GraphConfig(), True)],
-    ids=["tree-replacement", "tree", "merged", "merged-static-buffers", "merged-draft-vocabulary"])
-def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement, graphs, drafting):
-    """Drafting from a draft vocabulary too: q is zero outside it, the LLM's law is unchanged."""
+@pytest.mark.parametrize("mode,replacement,graphs,drafting,mss", [
+    (Mode.TREE, True, GraphConfig(), False, True), (Mode.TREE, False, GraphConfig(), False, True),
+    (Mode.MERGED, False, GraphConfig(), False, True), (Mode.MERGED, False, STATIC, False, True),
+    (Mode.MERGED, False, GraphConfig(), True, True), (Mode.MERGED, False, GraphConfig(), False, False)],
+    ids=["tree-replacement", "tree", "merged", "merged-static-buffers", "merged-draft-vocabulary", "merged-coupled"])
+def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, replacement, graphs, drafting, mss):
+    """MSS, and coupled matching (last); drafting from a draft vocabulary too: q is zero outside it,
+    the LLM's law is unchanged."""
     hf, llm, ssms, drafting_ssms = tiny_vocab
     ssms = drafting_ssms if drafting else ssms
     params = SamplingParams(temperature=0.9)
     prompt = [1, 4, 2]
     gens = run(llm, ssms, mode, [2, 2], params, n=3000, replacement=replacement, prompt=prompt, new_tokens=4,
-               graphs=graphs)
+               graphs=graphs, mss=mss)
     samples = [tuple(g.token_ids[1:4]) for g in gens]
     assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA

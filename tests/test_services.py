@@ -21,7 +21,7 @@ from specinfer_rpc.load import run_load
 from specinfer_rpc.v1 import common_pb2, generation_pb2
 
 from .conftest import MODELS, ROOT
-from .services import active_requests, reference_greedy
+from .services import active_requests, reference_greedy, seeded_reference
 
 VOCAB = json.loads((MODELS / "llm" / "config.json").read_text())["vocab_size"]
 
@@ -75,18 +75,31 @@ def test_draft_trees_on_request_show_each_steps_tree_and_its_accepted_path(syste
     assert not any(m.HasField("draft_tree") for m in asyncio.run(go(False)))
 
 
-def test_seeded_sampling_gives_the_same_tokens_alone_and_in_a_crowd(system, heldout_ids):
+def test_a_seed_gives_plain_seeded_samplings_tokens_whatever_the_speculation_and_the_crowd(system, heldout_ids):
+    """Coupled matching: the tokens of plain seeded sampling in process, through the services with
+    speculation off, fixed trees of several shapes and the server's adaptive default, alone and among
+    16 other requests (greedy, sampled, MSS)."""
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
-    for speculation in ("2,2,1,1", "off"):
-        req = Request(heldout_ids[3], 40, sampling, ignore_eos=True)
+    req = Request(heldout_ids[3], 40, sampling, ignore_eos=True)
+    plain = seeded_reference(req)
+    crowd = [Request(p, 40, SamplingParams(0.0 if i % 3 == 0 else 1.0, seed=i, mss=i % 3 == 2), ignore_eos=True)
+             for i, p in enumerate((heldout_ids * 2)[4:20])]
+    for speculation in ("off", "2,2,1,1", "1,1,1,1", "4,2", None):
         alone = generate_all(system.manager.address, [req], speculation)[0].token_ids
-        crowd = [Request(p, 40, SamplingParams(temperature=1.0, seed=i), ignore_eos=True)
-                 for i, p in enumerate(heldout_ids[4:12])]
-        together = generate_all(system.manager.address, crowd[:4] + [req] + crowd[4:], speculation)[4].token_ids
-        assert len(alone) == 40 and together == alone, speculation
+        together = generate_all(system.manager.address, crowd[:8] + [req] + crowd[8:], speculation)[8].token_ids
+        assert len(plain) == 40 and alone == plain and together == plain, speculation
     other_seed = generate_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
-                                                          ignore_eos=True)], "2,2,1,1")[0].token_ids
-    assert other_seed != alone
+                                                          ignore_eos=True)])[0].token_ids
+    assert other_seed != plain
+
+
+def test_mss_gives_the_same_tokens_alone_and_in_a_crowd_with_the_same_fixed_tree(system, heldout_ids):
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11, mss=True)
+    req = Request(heldout_ids[3], 40, sampling, ignore_eos=True)
+    alone = generate_all(system.manager.address, [req], "2,2,1,1")[0].token_ids
+    crowd = [Request(p, 40, SamplingParams(temperature=1.0, seed=i), ignore_eos=True) for i, p in enumerate(heldout_ids[4:12])]
+    together = generate_all(system.manager.address, crowd[:4] + [req] + crowd[4:], "2,2,1,1")[4].token_ids
+    assert len(alone) == 40 and together == alone
 
 
 BAD_REQUESTS = {

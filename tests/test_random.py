@@ -1,0 +1,53 @@
+"""The counter-based random numbers (specinfer/sampling.py): the hash is MurmurHash3's finalizer
+bit for bit, the uniforms are uniform, and the coupled sample follows p and is a function of
+(key, position, p) alone."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from scipy.stats import chisquare, kstest
+
+from specinfer.sampling import _fmix32, _int32, coupled_sample, stream_key, uniform
+
+M32 = 0xFFFFFFFF
+
+
+def fmix32_reference(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & M32
+    return x ^ (x >> 16)
+
+
+def test_the_int32_hash_is_the_unsigned_definition_bit_for_bit():
+    rng = random.Random(0)
+    # word boundaries, and enough values for the vectorized loop plus a scalar tail
+    xs = [0, 1, 0x7FFFFFFF, 0x80000000, M32, 0x9E3779B9] + [rng.randrange(1 << 32) for _ in range(1029)]
+    got = (_fmix32(_int32(torch.tensor(xs))).long() & M32).tolist()
+    assert got == [fmix32_reference(x) for x in xs]
+
+
+def test_uniforms_are_uniform_and_depend_only_on_key_and_counters():
+    key = torch.tensor([stream_key(3, "test")])
+    u = uniform(key, 5, torch.arange(20000))
+    assert 0 < u.min() and u.max() < 1
+    assert kstest(u.numpy(), "uniform").pvalue > 1e-3
+    assert torch.equal(u[123:124], uniform(key, 5, torch.tensor([123])))
+    assert not torch.equal(u, uniform(key, 6, torch.arange(20000)))
+
+
+def test_the_coupled_sample_follows_p_and_ignores_the_batch_and_the_scale():
+    p = torch.tensor([0.45, 0.3, 0.15, 0.1, 0.0])
+    n = 20000
+    key = torch.full((n,), stream_key(1, "sample"))
+    tokens = coupled_sample(p.expand(n, -1), key, torch.arange(n))  # one draw per position
+    counts = torch.bincount(tokens, minlength=5)
+    assert counts[4] == 0, "a token of zero probability"
+    assert chisquare(counts[:4].numpy(), (n * p[:4]).numpy()).pvalue > 1e-3
+    # the same (key, position) in another batch, order and scale of p: the same token
+    rows = torch.tensor([17, 3, 9000, 5])
+    again = coupled_sample(7.0 * p.expand(4, -1), key[rows], rows)
+    assert torch.equal(again, tokens[rows])
