@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
+from specinfer.controller import SpeculationController
+from specinfer.engine import SpeculativeEngine
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
 from specinfer_rpc.security import BearerToken, channel_credentials
@@ -22,7 +24,6 @@ from . import metrics
 from .clients import VerifierClient
 from .discovery import parse_target
 from .replicas import SpeculatorReplicas
-from .controller import SpeculationController
 from .scheduler import Scheduler
 from .servicer import GenerationServicer
 
@@ -53,8 +54,10 @@ class ManagerConfig(ServerConfig):
                                   "online and the measured acceptance; off: the whole expansion within the tree budget")
     context_lookup: bool = option(True, "also draft, here, from each request's own earlier text: the tokens that followed "
                                         "the latest earlier occurrence of its last 1-3 tokens, a chain as deep as the "
-                                        "speculators' trees, merged with them (code and loops repeat; a 1-layer SSM "
-                                        "cannot copy from its context); only with speculators")
+                                        "speculators' trees (or --lookup-tokens), merged with them (code and loops repeat; "
+                                        "a 1-layer SSM cannot copy from its context); only with speculators")
+    lookup_tokens: int = option(0, "the longest chain context lookup drafts per step; 0: as deep as the step's trees "
+                                   "(the depth the cost model chooses)")
     kv_cache_share: float = option(1.0, "fraction of the verifier's KV cache this manager may reserve "
                                         "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")
@@ -90,16 +93,18 @@ async def main(cfg: ManagerConfig) -> None:
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials)
                    for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
-    scheduler = Scheduler(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
-                          cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
-                          SpeculationController(lookup=cfg.context_lookup) if cfg.adaptive and speculators else None,
+    lookup = cfg.context_lookup and bool(speculators)
+    engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
+                               SpeculationController(lookup=lookup) if cfg.adaptive and speculators else None,
+                               lookup, cfg.lookup_tokens)
+    scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
-                          kv_block_size=max(vinfo.kv_block_size, 1), lookup=cfg.context_lookup)
+                          kv_block_size=max(vinfo.kv_block_size, 1))
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
-        context_lookup_mask=1 << len(speculators) if scheduler.lookup else 0)
+        context_lookup_mask=1 << len(speculators) if lookup else 0)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json")), info)
@@ -113,7 +118,7 @@ async def main(cfg: ManagerConfig) -> None:
     finally:
         for task in tasks:
             task.cancel()
-        log.info("scheduler stats %s", json.dumps(scheduler.stats.summary()))
+        log.info("scheduler stats %s", json.dumps(engine.stats.summary()))
         await asyncio.gather(verifier.close(), *(c.close() for c in speculators))
 
 

@@ -1,10 +1,11 @@
-"""The manager's clients of the verifier and the speculators: protobuf and gRPC errors stay here;
-the scheduler sees core dataclasses and two exceptions.
+"""The manager's clients of the verifier and the speculators, the engine's VerifierBackend and
+drafters over gRPC: protobuf and gRPC errors stay here; the engine sees core dataclasses and the
+core's errors.
 
 A speculator is optional: any failure (error, end of stream, slow answer, malformed tree) marks its
 stream broken, this iteration goes on without its trees, and a new stream is tried a moment later.
 A verifier failure is the request's failure (`VerifierUnavailable`), except when the verifier lost
-a request's state (`VerifierResync`): then the scheduler resends whole records.
+a request's state (`VerifierLost`): then the engine resends whole records.
 """
 
 from __future__ import annotations
@@ -13,47 +14,23 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
-from specinfer.sampling import SamplingParams
+from specinfer.engine import Check, Draft
+from specinfer.errors import VerifierLost, VerifierUnavailable
 from specinfer.tree import TokenTree
 from specinfer_rpc.convert import sampling_to_pb, tree_from_pb, tree_to_pb
 from specinfer_rpc.security import open_channel
 from specinfer_rpc.server import channel_options
-from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specinfer_rpc.v1 import (
+    speculator_pb2,
+    speculator_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 log = logging.getLogger("specinfer.manager")
-
-
-class VerifierUnavailable(Exception):
-    pass
-
-
-class VerifierResync(Exception):
-    pass
-
-
-@dataclass
-class Draft:
-    """What a speculator needs to draft for one request."""
-
-    request_id: str
-    record: list[int]  # prompt + committed tokens; the last one is the tree's root
-    expansion: list[int]
-    sampling: SamplingParams
-
-
-@dataclass
-class Check:
-    """What the verifier needs for one request's step."""
-
-    request_id: str
-    new_tokens: list[int]
-    record_length: int
-    tree: TokenTree
-    sampling: SamplingParams
 
 
 class VerifierClient:
@@ -86,7 +63,7 @@ class VerifierClient:
             response = await self.stub.Verify(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise VerifierResync(e.details()) from e
+                raise VerifierLost(e.details()) from e
             raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
         return [list(r.token_ids) for r in response.results], response.step_ns
 

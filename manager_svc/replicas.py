@@ -6,7 +6,7 @@ replica breaks (error, end of stream, slow answer) or leaves the DNS answer, the
 another one on its next draft, which is sent the whole record and prefills it; that step goes
 without its tree. A replica that appears gets new requests first, as it has none.
 
-The scheduler sees the same interface as a single `SpeculatorClient`.
+The engine sees the same interface as a single `SpeculatorClient` (a drafter).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import logging
 
 import grpc
 
-from .clients import Draft, SpeculatorClient
+from specinfer.engine import Draft
+
+from .clients import SpeculatorClient
 from .discovery import LOOKUP_ERRORS, Target, resolve
 
 log = logging.getLogger("specinfer.manager")

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
+from specinfer.engine import Chunk
 from specinfer.generate import Request, validate
 from specinfer.model import check_token_ids
 from specinfer.tree import validate_expansion
 from specinfer_rpc.convert import sampling_from_pb
-from specinfer_rpc.server import Abort, rpc_errors
+from specinfer_rpc.server import rpc_errors
 from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
 
-from .scheduler import Chunk, Scheduler, Sequence
+from .scheduler import Scheduler, Stream
 
 FINISH = {"eos": generation_pb2.FINISH_REASON_EOS, "stop": generation_pb2.FINISH_REASON_STOP,
           "length": generation_pb2.FINISH_REASON_LENGTH}
@@ -51,7 +52,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             while True:
                 event = await seq.events.get()
-                if isinstance(event, Abort):
+                if isinstance(event, Exception):
                     raise event
                 yield self.chunk_to_pb(seq, event)
                 if event.finish_reason:
@@ -60,19 +61,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.scheduler.cancel(seq)
 
     @staticmethod
-    def chunk_to_pb(seq: Sequence, chunk: Chunk) -> generation_pb2.GenerateResponse:
+    def chunk_to_pb(seq: Stream, chunk: Chunk) -> generation_pb2.GenerateResponse:
         response = generation_pb2.GenerateResponse(token_ids=chunk.tokens)
-        if chunk.tree is not None:
+        if seq.want_trees and chunk.tree is not None:
             response.draft_tree.CopyFrom(generation_pb2.DraftTreeStep(
                 token_ids=chunk.tree.tokens, parents=chunk.tree.parents, speculators=chunk.proposers,
-                accepted=chunk.accepted))
+                accepted=chunk.accepted_nodes))
         if chunk.finish_reason:
             response.finish_reason = FINISH[chunk.finish_reason]
             reasons = seq.no_tree.most_common(1)
             response.usage.CopyFrom(generation_pb2.Usage(
                 prompt_tokens=len(seq.request.prompt), completion_tokens=len(seq.generated),
                 verifier_steps=seq.steps, mean_tokens_per_step=len(seq.generated) / seq.steps,
-                accepted_draft_tokens=seq.accepted, tree_steps=seq.tree_steps,
+                accepted_draft_tokens=sum(seq.accepted), tree_steps=seq.tree_steps,
                 no_tree_reason=reasons[0][0] if reasons else ""))
         return response
 
@@ -80,7 +81,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
         info = generation_pb2.ModelInfo()
         info.CopyFrom(self.info)
-        info.speculators = sum(c.connected for c in self.scheduler.speculators)
+        info.speculators = sum(d.connected for d in self.scheduler.engine.drafters)
         return info
 
     @rpc_errors

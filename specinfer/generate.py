@@ -1,33 +1,32 @@
-"""In-process speculative generation: speculators and verifier glued by one batching loop.
+"""In-process speculative generation: the engine's iteration (engine.py) over SSMs and the LLM
+loaded in this process, for the CLI, the tests and the benchmarks.
 
-Per iteration, for every unfinished request: each speculator drafts a tree (told only the tokens
-committed since it last drafted), the trees are merged, the verifier checks them all in one LLM
-forward, and the accepted tokens are appended, cut at EOS, a stop token or max_new_tokens.
-The first LLM forward of a request is its prefill (prompt only, one token out); every later
-forward is a *step*.
-
-Modes: incremental (no speculator), sequence (SSM 0, a chain: expansion <1, ..., 1>),
-tree (SSM 0, an expansion config), merged (every SSM with the same config, trees merged).
-With `lookup`, a chain of up to `lookup_tokens` tokens drafted from the request's own earlier text
-(lookup.py) joins the merge; with no SSM, it is the only drafter. The chain's length is its own, not
-the expansion's depth: it costs no model, only verified rows.
-The gRPC manager runs the same loop with continuous batching; this one serves the CLI, the tests
-and the benchmarks.
+Modes: incremental (no drafter), sequence (SSM 0, a chain: expansion <1, ..., 1>), tree (SSM 0,
+an expansion config), merged (every SSM with the same config, trees merged). With `lookup`, a
+chain of up to `lookup_tokens` tokens drafted from the request's own earlier text (lookup.py)
+joins the merge; with no SSM, it is the only drafter. The chain's length is its own, not the
+expansion's depth: it costs no model, only verified rows. With `adaptive`, the expansion config
+is the server's and the cost-model controller picks each iteration's depth, as the manager does;
+otherwise every request drafts the whole config.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 from tqdm import tqdm
 
+from .controller import SpeculationController
+from .engine import Draft, Request, Sequence, SpeculativeEngine
 from .graphs import GraphConfig
-from .lookup import CHAIN_TOKENS, ContextIndex, chain_tree
+from .lookup import CHAIN_TOKENS
 from .model import LlamaModel, check_token_ids
-from .sampling import SamplingParams
 from .speculator import DraftRequest, Speculator
-from .tree import TokenTree, merge
+from .tree import TokenTree
 from .verifier import Verifier, VerifyRequest
 
 
@@ -42,27 +41,18 @@ PAPER_EXPANSION = [1, 1, 3, 1, 1, 1, 1, 1]  # SpecInfer's default <1,1,3,1,1,1,1
 
 
 @dataclass
-class Request:
-    prompt: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    id: str = ""
-
-
-@dataclass
 class Generation:
     id: str
     token_ids: list[int]  # generated tokens only
     finish_reason: str = ""  # "eos", "stop" or "length"
-    steps: int = 0  # LLM forward passes after the prefill
+    steps: int = 0  # LLM forward passes, the first (the prompt's) included
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens at each step
+    tree_steps: int = 0  # steps that verified a draft tree
+    no_tree_reason: str = ""  # why most of the other steps had none
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens emitted per LLM step, not counting the prefill's token."""
-        return (len(self.token_ids) - 1) / self.steps if self.steps else 0.0
+        return len(self.token_ids) / self.steps if self.steps else 0.0
 
 
 def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: int | None = None) -> None:
@@ -81,27 +71,80 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
     req.sampling.validate()
 
 
+class LocalDrafter:
+    """An SSM in this process as a drafter: each draft tells it the tokens committed since it last
+    drafted for the request. `drafter` numbers it among the request's drafters, as the manager numbers
+    its speculator services, so that sampled drafts are the same here and there."""
+
+    connected = True
+
+    def __init__(self, speculator: Speculator, drafter: int, replacement: bool = False):
+        self.speculator = speculator
+        self.drafter = drafter
+        self.replacement = replacement  # sampled drafts: i.i.d. draws instead of draws without replacement
+        self.told: dict[str, int] = {}  # request id -> tokens of its record the SSM has been given
+        self.draft_ns = 0
+
+    async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
+        start = time.perf_counter_ns()
+        batch = [DraftRequest(d.request_id, d.record[self.told.get(d.request_id, 0):], d.expansion, d.sampling,
+                              self.replacement, self.drafter) for d in drafts]
+        trees = self.speculator.draft(batch)
+        for d in drafts:
+            self.told[d.request_id] = len(d.record)
+        self.draft_ns = time.perf_counter_ns() - start
+        return {d.request_id: t for d, t in zip(drafts, trees)}
+
+    def release(self, request_id: str) -> None:
+        self.told.pop(request_id, None)
+        self.speculator.release(request_id)
+
+    async def flush(self) -> None:
+        pass
+
+
+class LocalVerifier:
+    """The LLM in this process as the engine's verifier."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier = verifier
+
+    async def verify(self, checks, release: list[str]) -> tuple[list[list[int]], int]:
+        await self.release(release)
+        start = time.perf_counter_ns()
+        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling) for c in checks])
+        return [v.tokens for v in verdicts], time.perf_counter_ns() - start
+
+    async def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.verifier.release(rid)
+
+
 class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
-                 lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS):
+                 lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
+                 tree_budget: int | None = None):
         mode = Mode(mode)
-        if lookup_tokens < 1:
-            raise ValueError(f"lookup_tokens: must be >= 1, got {lookup_tokens}")
         if mode != Mode.INCREMENTAL and not ssms and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM (or context lookup)")
         if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
             raise ValueError("LLM and SSMs must share a tokenizer (vocab sizes differ)")
         self.llm = llm
-        self.expansion = list(expansion if expansion is not None else PAPER_EXPANSION)
+        expansion = list(expansion if expansion is not None else PAPER_EXPANSION)
         if mode == Mode.SEQUENCE:
-            self.expansion = [1] * len(self.expansion)
+            expansion = [1] * len(expansion)
         used = {Mode.INCREMENTAL: [], Mode.SEQUENCE: ssms[:1], Mode.TREE: ssms[:1], Mode.MERGED: list(ssms)}[mode]
-        self.speculators = [Speculator(m, index=i, graphs=graphs) for i, m in enumerate(used)]
+        self.speculating = mode != Mode.INCREMENTAL
+        self.adaptive = adaptive and self.speculating
+        self.expansion = expansion
         self.verifier = Verifier(llm, graphs=graphs)
-        self.replacement = replacement
-        self.lookup = lookup and mode != Mode.INCREMENTAL
-        self.lookup_tokens = lookup_tokens
+        lookup = lookup and self.speculating
+        self.engine = SpeculativeEngine(
+            LocalVerifier(self.verifier),
+            [LocalDrafter(Speculator(m, graphs=graphs), i, replacement) for i, m in enumerate(used)],
+            set(llm.cfg.eos_token_ids), expansion, tree_budget,
+            SpeculationController(lookup=lookup) if self.adaptive else None, lookup, lookup_tokens)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -109,75 +152,30 @@ class Engine:
         ids = [r.id or str(i) for i, r in enumerate(requests)]
         if len(set(ids)) != len(ids):
             raise ValueError("id: request ids must be unique")
-        verifier = self.verifier
-        eos = set(self.llm.cfg.eos_token_ids)
-        out = {i: Generation(i, []) for i in ids}
-        told = {(s, i): 0 for s in range(len(self.speculators)) for i in ids}  # tokens sent so far
-        contexts = {i: ContextIndex() for i in ids} if self.lookup else {}
-        live = dict(zip(ids, requests))
+        own = None if self.adaptive else self.expansion if self.speculating else []
+        seqs = [Sequence(Request(r.prompt, r.max_new_tokens, r.sampling, r.stop_token_ids, r.ignore_eos, i), own)
+                for r, i in zip(requests, ids)]
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
-
-        batch = [VerifyRequest(i, r.prompt, TokenTree(), r.sampling) for i, r in live.items()]
-        first = True
-        while live:
-            verdicts = verifier.step(batch)
-            for v, vr in zip(verdicts, batch):
-                gen, req = out[vr.request_id], live[vr.request_id]
-                if not first:
-                    gen.steps += 1
-                    gen.accepted.append(len(v.path))
-                before = len(gen.token_ids)
-                gen.finish_reason = append_tokens(gen.token_ids, req, v.tokens, eos)
-                bar.update(len(gen.token_ids) - before)
-                if gen.finish_reason:
-                    del live[vr.request_id]
-                    verifier.release(vr.request_id)
-                    for s in self.speculators:
-                        s.release(vr.request_id)
-            first = False
-            trees = self._draft(live, out, told, contexts)
-            batch = [VerifyRequest(i, [], trees[i], r.sampling) for i, r in live.items()]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no event loop in this thread
+            asyncio.run(self._run(seqs, bar))
+        else:  # called from a coroutine: the engine's loop runs in a thread of its own
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, self._run(seqs, bar)).result()
         bar.close()
-        return [out[i] for i in ids]
+        return [Generation(s.id, s.generated, s.finish_reason, s.steps, s.accepted, s.tree_steps,
+                           s.no_tree.most_common(1)[0][0] if s.no_tree else "") for s in seqs]
 
-    def _draft(self, live: dict[str, Request], out: dict[str, Generation], told: dict,
-               contexts: dict[str, ContextIndex]) -> dict[str, TokenTree]:
-        per_request: dict[str, list[TokenTree]] = {i: [] for i in live}
-        # never draft past max_new_tokens: a step emits the accepted path plus one bonus token
-        room = {i: req.max_new_tokens - len(out[i].token_ids) - 1 for i, req in live.items()}
-        for s, spec in enumerate(self.speculators):
-            batch = []
-            for i, req in live.items():
-                generated = out[i].token_ids
-                new = record_from(req, generated, told[s, i])
-                told[s, i] = len(req.prompt) + len(generated)
-                batch.append(DraftRequest(i, new, self.expansion[:room[i]], req.sampling, self.replacement))
-            for dr, tree in zip(batch, spec.draft(batch)):
-                per_request[dr.request_id].append(tree)
-        for i, ctx in contexts.items():
-            if i in live:
-                ctx.extend(record_from(live[i], out[i].token_ids, len(ctx.tokens)))
-                if draft := ctx.draft(min(self.lookup_tokens, room[i])):
-                    per_request[i].append(chain_tree(draft, live[i].sampling.sampled_drafts))
-        return {i: (TokenTree() if not trees else trees[0] if len(trees) == 1 else merge(trees))
-                for i, trees in per_request.items()}
-
-
-def record_from(req: Request, generated: list[int], start: int) -> list[int]:
-    """The request's record (prompt + generated tokens) from index `start` on, without building the
-    whole record."""
-    return req.prompt[start:] + generated[max(0, start - len(req.prompt)):]
-
-
-def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
-    """Append a step's tokens to the request's generated tokens `out`, up to and including the
-    first that finishes the request; return the finish reason ("eos", "stop", "length") or ""."""
-    for t in tokens:
-        out.append(t)
-        if t in eos and not req.ignore_eos:
-            return "eos"
-        if t in req.stop_token_ids:
-            return "stop"
-        if len(out) >= req.max_new_tokens:
-            return "length"
-    return ""
+    async def _run(self, seqs: list[Sequence], bar) -> None:
+        live = list(seqs)
+        while live:
+            for s, event in await self.engine.iteration(live):
+                if isinstance(event, Exception):
+                    raise event
+                bar.update(len(event.tokens))
+                if event.finish_reason:
+                    s.done = True
+                    self.engine.release(s.id)
+            live = [s for s in live if not s.done]
+        await self.engine.flush()

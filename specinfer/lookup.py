@@ -22,11 +22,8 @@ from __future__ import annotations
 
 from .tree import DraftGroup, TokenTree
 
-CHAIN_TOKENS = 8  # the chain drafted per step, in process (Engine). Rows are what a chain costs, and it
-                  # is often right for long: SSM 0's <2,1> plus a chain of 3 / 6 / 10 tokens verified
-                  # 2.88 / 3.26 / 3.51 tokens per forward on 8 held-out prompts (2-core CPU, greedy)
-MAX_N = 3  # the longest suffix looked up (the shipped LLM's continuations of 160 held-out prompts: n <= 3 down to 1
-           # agrees with its next token at 64% of positions; n = 2 alone, 59%)
+CHAIN_TOKENS = 8  # the longest chain drafted per step by default: rows are all a chain costs, and it is often right for long
+MAX_N = 3  # the longest suffix looked up (longer ones agreed no more often with the fixture LLM's continuations)
 
 
 class ContextIndex:

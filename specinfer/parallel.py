@@ -1,7 +1,7 @@
 """Megatron-style model parallelism for the verifier's LLM on torch.distributed (gloo on CPU,
 NCCL on GPU): tensor parallelism inside a pipeline stage, pipeline parallelism across stages.
 
-Layout: world = tp * pp ranks; rank r is tensor-parallel rank r % tp of pipeline stage r // tp.
+RankLayout: world = tp * pp ranks; rank r is tensor-parallel rank r % tp of pipeline stage r // tp.
 
 Tensor parallelism is applied to a built stage from outside (the model knows nothing of it):
   - qkv  ColumnParallel: Y = X A with A split along its columns by heads; rank t holds query heads
@@ -36,11 +36,11 @@ from torch import nn
 from .graphs import GraphConfig
 from .model import LlamaModel, ModelConfig, StepInput, read_weights
 from .verifier import Verifier, VerifyRequest
-from .verify import Verdict
+from .acceptance import Verdict
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankLayout:
     tp: int
     pp: int
     rank: int = 0
@@ -92,7 +92,7 @@ def _part(n: int, parts: int, i: int) -> slice:
     return slice(i * n // parts, (i + 1) * n // parts)
 
 
-def load_stage(path: str | Path, layout: Layout, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def load_stage(path: str | Path, layout: RankLayout, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
     """This rank's part of the checkpoint: its stage's layers, its heads and its vocabulary rows,
     reading only those slices. Its `cfg` keeps the whole vocabulary (token ids are checked against
     it) and has this rank's head, intermediate and layer counts."""
@@ -175,7 +175,7 @@ def _all_reduce_output(group):
     return hook
 
 
-def apply_tensor_parallel(model: LlamaModel, layout: Layout, group) -> None:
+def apply_tensor_parallel(model: LlamaModel, layout: RankLayout, group) -> None:
     """Wrap a loaded stage's vocabulary-parallel parts and all-reduce its row-parallel outputs."""
     if layout.tp == 1:
         return
@@ -194,7 +194,7 @@ def apply_tensor_parallel(model: LlamaModel, layout: Layout, group) -> None:
 class PipelineVerifier(Verifier):
     """One rank's verifier: its stage of the model, its shard of every request's KV cache."""
 
-    def __init__(self, model: LlamaModel, kv_tokens: int, layout: Layout):
+    def __init__(self, model: LlamaModel, kv_tokens: int, layout: RankLayout):
         super().__init__(model, kv_tokens, GraphConfig(mode="eager"))  # its forward is its own, eager
         self.layout = layout
 
@@ -225,7 +225,7 @@ class PipelineVerifier(Verifier):
         return verdicts[0]
 
 
-def init_rank(layout: Layout, init_method: str, timeout_s: float, device: torch.device):
+def init_rank(layout: RankLayout, init_method: str, timeout_s: float, device: torch.device):
     """Join the process group; return this rank's tensor-parallel group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

@@ -41,7 +41,7 @@ class SamplingParams:
     seed: int = 0
     # sampled requests: False (default) drafts the SSMs' top-k and verifies by matching them against
     # the coupled sample (the same tokens whatever the speculation); True draws the drafts from the
-    # SSMs and verifies by the paper's multi-step speculative sampling (verify.py), whose tokens
+    # SSMs and verifies by the paper's multi-step speculative sampling (acceptance.py), whose tokens
     # depend on the trees drafted
     mss: bool = False
 

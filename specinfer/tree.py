@@ -7,7 +7,7 @@ from the root to u, is unique per node: two draws of the same token under the sa
 node.
 
 Under stochastic decoding the tree also records *how* each child was drawn, because
-multi-step speculative sampling needs it (see verify.py): a `DraftGroup` is one SSM's draws of
+multi-step speculative sampling needs it (see acceptance.py): a `DraftGroup` is one SSM's draws of
 children of one parent, in draw order, from one sparse distribution q, with or without
 replacement. A node may be drawn several times (with replacement) and by several groups (after a
 merge). Greedy trees have no groups.

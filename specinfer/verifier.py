@@ -3,7 +3,7 @@
 A `Verifier` hosts the LLM and keeps, per request, its token record and LLM KV cache. One `step`
 runs one LLM forward over the whole batch: for each request its tokens not yet in the cache (the
 prompt on the first step, the previous bonus token afterwards) followed by its draft tree. It then
-verifies every tree against the LLM's rows at once on the model's device (verify.py; the logits
+verifies every tree against the LLM's rows at once on the model's device (acceptance.py; the logits
 never leave it, the verdicts come back in one copy), moves the accepted paths' KV entries to
 committed slots in one pool operation, drops the rest, and returns the accepted tokens plus the
 bonus token.
@@ -23,7 +23,7 @@ from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .model import LlamaModel, StepInput, check_token_ids, row_starts
 from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
-from .verify import Verdict, verify_batch
+from .acceptance import Verdict, verify_batch
 
 
 @dataclass

@@ -31,20 +31,18 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
     engine = Engine(llm, ssms, mode, expansion, lookup=lookup)
     outs, seconds, forwards = [], [], 0
     reached = [0] * len(expansion)  # deeper where a step accepted more (a lookup chain may outgrow the expansion)
-    steps = 0
     for i, p in enumerate(prompts):
         start = time.perf_counter()
         g = engine.generate([Request(p, max_new_tokens, SamplingParams(temperature, seed=i, mss=mss), id=str(i))])[0]
         seconds.append(time.perf_counter() - start)
         outs.append(g.token_ids)
-        forwards += g.steps + 1
-        steps += g.steps
+        forwards += g.steps
         for a in g.accepted:
             reached += [0] * (a - len(reached))
             for d in range(a):
                 reached[d] += 1
     return outs, {"tokens": sum(map(len, outs)), "forwards": forwards, "request_seconds": seconds,
-                  "acceptance_by_depth": [r / max(steps, 1) for r in reached]}
+                  "acceptance_by_depth": [r / max(forwards, 1) for r in reached]}
 
 
 def reference_greedy(llm_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

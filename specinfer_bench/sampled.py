@@ -7,7 +7,7 @@ services, side by side in one run.
 In process: one request at a time, the CLI's in-process default (SSM 0's tree <2,1> merged with
 context lookup's chain), interleaved rounds. Through the services: `specinfer_bench.services` with
 the manager's defaults (2,1,1@16, adaptive, context lookup) and the same with MSS (@mss), against
-off. Both report tokens/s and tokens per LLM step (the prefill not counted).
+off. Both report tokens/s and tokens per LLM step (the prompt's step included).
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def in_process(llm_ref, ssm_dir: Path, prompts: list[list[int]], expansion: list
         for name, (mode, mss) in (order if r % 2 == 0 else order[::-1]):
             _, fig = inprocess.run(llm, [ssm], mode, [] if mode == Mode.INCREMENTAL else expansion, prompts,
                                    max_new_tokens, temperature, lookup=mode != Mode.INCREMENTAL, mss=mss)
-            n = len(prompts)
             runs[name].append({"tokens_per_s": fig["tokens"] / sum(fig["request_seconds"]),
-                               "tokens_per_step": (fig["tokens"] - n) / max(fig["forwards"] - n, 1)})
+                               "tokens_per_step": fig["tokens"] / fig["forwards"]})
             bar.update()
     bar.close()
     off = statistics.median(x["tokens_per_s"] for x in runs["off"])

@@ -34,15 +34,20 @@ from specinfer_rpc.load import run_load
 from .report import command_line, machine, plot_services, services_markdown
 
 
+OPTIONS = {"static", "nolookup", "mss", "baseline"}
+
+
 def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
-    """'off', or EXPANSION@TREE_BUDGET[@static][@nolookup][@mss] (@static: without the adaptive
+    """'off', or EXPANSION@TREE_BUDGET, each with options @name (@static: without the adaptive
     controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
-    sampled drafts and MSS, a request option the manager's flags do not see)."""
+    sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
+    runs from the --baseline source tree)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
-    if config != "off":
+    name, *options = config.split("@")
+    if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
+        raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} ({', '.join(sorted(OPTIONS))})")
+    if name != "off":
         expansion, budget, *options = config.split("@")
-        if unknown := set(options) - {"static", "nolookup", "mss"}:
-            raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} (static, nolookup, mss)")
         flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
                   "--no-adaptive" if "static" in options else "--adaptive",
                   "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
@@ -56,7 +61,7 @@ def manager_stats(log: Path) -> dict:
 
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
             levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int,
-            temperature: float = 0.0) -> list[dict]:
+            temperature: float = 0.0, baseline: Path | None = None) -> list[dict]:
     """One row per (config, concurrency). `reference`: greedy outputs (32 tokens) of prompts[:len(reference)]
     that every setting must reproduce before it is timed. The load's requests sample at `temperature`
     (0: greedy), seeded."""
@@ -70,8 +75,11 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
                  for i, d in enumerate(ssms)]
         for config in configs:
             flags = manager_flags(config, verifier.address, [s.address for s in specs]) + ["--tokenizer", str(llm)]
+            source = baseline if "baseline" in config.split("@")[1:] else None
+            if source is None and "baseline" in config.split("@")[1:]:
+                raise ValueError(f"--configs {config!r}: @baseline needs --baseline")
             for c in levels:
-                managers[config, c] = system.start(f"manager-{len(managers)}", "manager_svc", flags, 120)
+                managers[config, c] = system.start(f"manager-{len(managers)}", "manager_svc", flags, 120, source=source)
             outs = generate_all(managers[config, levels[0]].address, [Request(q, 32) for q in prompts[:len(reference)]])
             if [s.token_ids for s in outs] != reference:
                 raise SystemExit(f"services {config}: greedy outputs differ from the reference; no figures reported")
@@ -79,7 +87,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         order = list(managers.items())
         for r in range(rounds):  # interleaved, so that the machine's drift hits all settings alike,
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
-                sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[2:])
+                sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[1:])
                 report = asyncio.run(run_load(manager.address, prompts, c, duration=1e9, max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling))
                 if report.errors:
@@ -112,6 +120,8 @@ def main() -> None:
                    help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
     p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")
     p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another source tree (e.g. a checkout of an earlier commit): configs with @baseline run its manager")
     p.add_argument("--out", type=Path, default=Path("bench/results/services_cpu"))
     args = p.parse_args()
     from .inprocess import load_prompt_ids, reference_greedy
@@ -121,7 +131,7 @@ def main() -> None:
     reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
     rows = measure(args.llm, args.ssm or served_ssms(), prompts, reference, configs, levels,
-                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature)
+                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature, args.baseline)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 
@@ -82,7 +83,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                         "matching top-k drafts against the seeded sample (tokens then depend on the trees)")
     p.add_argument("--expansion", default=None,
                    help=f"tree expansion config k_1,...,k_m (sequence mode uses its depth; default "
-                        f"{','.join(map(str, EXPANSION))}, the tree search's pick for the default LLM on a CPU; or the server's)")
+                        f"{','.join(map(str, EXPANSION))}, the tree search's pick for the default LLM on a CPU, each step's "
+                        f"depth chosen by the cost model as the manager does; or the server's)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.add_argument("--server", metavar="HOST:PORT", default=None,
                    help="send the requests to a running manager (specinfer serve) instead of running in-process")
@@ -112,20 +114,21 @@ def load_engine(args, mode: str) -> Engine:
         same_tokenizer(args.llm, d)
     ssms = [load_model(d, args.dtype) for d in ssm_dirs]
     expansion = EXPANSION if args.expansion is None else parse_expansion(args.expansion)
+    # without --expansion, the cost-model controller picks each step's depth of the default, as the manager does
     return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
-                  lookup_tokens=args.lookup_tokens)
+                  lookup_tokens=args.lookup_tokens, adaptive=args.expansion is None)
 
 
 def cmd_generate(args) -> int:
     prompts = load_prompts(args)
     try:
-        gens, texts, seconds, trees = generate_once(args, prompts, args.mode)
+        gens, texts, seconds = generate_once(args, prompts, args.mode)
         for g, text in zip(gens, texts):
             print_generation(g, text, args.json)
-        print_summary(args.mode, gens, seconds, trees)
+        print_summary(args.mode, gens, seconds)
         if args.compare_off and args.mode != Mode.INCREMENTAL.value:
-            plain, _, plain_seconds, plain_trees = generate_once(args, prompts, Mode.INCREMENTAL.value)
-            print_summary(Mode.INCREMENTAL.value, plain, plain_seconds, plain_trees)
+            plain, _, plain_seconds = generate_once(args, prompts, Mode.INCREMENTAL.value)
+            print_summary(Mode.INCREMENTAL.value, plain, plain_seconds)
             same = [g.token_ids for g in gens] == [g.token_ids for g in plain]
             ratio = (sum(len(g.token_ids) for g in gens) / seconds) / (sum(len(g.token_ids) for g in plain) / plain_seconds)
             print(f"speculation ({args.mode}) ran at {ratio:.2f}x the tokens/s of no speculation; outputs "
@@ -137,7 +140,7 @@ def cmd_generate(args) -> int:
 
 
 def generate_once(args, records: list[dict], mode: str):
-    """(generations, texts, seconds, what the steps' trees were) of one run of every prompt record."""
+    """(generations, texts, seconds) of one run of every prompt record."""
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.mss)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
@@ -146,9 +149,7 @@ def generate_once(args, records: list[dict], mode: str):
         run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
                               remote_speculation(mode, args.expansion), client_credentials(args),
                               args.wait, waiting_notice("generate", args.server, args.wait), args.concurrency or 0)
-        trees = tree_share(sum(u.verifier_steps for u in run.usages), run.tree_steps,
-                           run.no_tree_reason or "the server gave no reason")
-        return run.generations, run.texts, run.seconds, trees
+        return run.generations, run.texts, run.seconds
     tokenizer = load_tokenizer(args.llm)
     requests = [Request(prompt_ids(tokenizer, r), args.max_new_tokens, sampling, id=r["id"]) for r in records]
     engine = load_engine(args, mode)
@@ -157,7 +158,7 @@ def generate_once(args, records: list[dict], mode: str):
     gens = [g for i in range(0, len(requests), step)
             for g in engine.generate(requests[i : i + step], progress=not args.json and sys.stderr.isatty())]
     seconds = time.perf_counter() - start
-    return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds, in_process_tree_use(mode)
+    return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds
 
 
 def remote_speculation(mode: str, expansion: str | None) -> str | None:
@@ -291,35 +292,32 @@ def print_generation(g: Generation, text: str, as_json: bool) -> None:
         print(text)
 
 
-def print_summary(mode: str, gens: list[Generation], seconds: float, trees: str) -> None:
+def print_summary(mode: str, gens: list[Generation], seconds: float) -> None:
     """One line on stderr (stdout stays the generations, or pure JSON lines with --json), e.g.
     `[tree] 3 requests, 96 tokens in 1.25 s (76.6 tok/s), 1.29 tokens/step; trees in 12% of steps (...)`.
-    Tokens per step as `Generation.tokens_per_step`: the prefill's token and step are left out."""
+    Tokens per step as `Generation.tokens_per_step`: over every LLM step, the prompt's included."""
     tokens = sum(len(g.token_ids) for g in gens)
     steps = sum(g.steps for g in gens)
-    per_step = sum(max(0, len(g.token_ids) - 1) for g in gens) / steps if steps else 0.0
     requests = f"{len(gens)} request{'' if len(gens) == 1 else 's'}"
     print(f"[{mode}] {requests}, {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), "
-          f"{per_step:.2f} tokens/step; {trees}", file=sys.stderr)
+          f"{tokens / steps if steps else 0.0:.2f} tokens/step; {tree_share(gens)}", file=sys.stderr)
 
 
-def tree_share(steps: int, tree_steps: int, no_tree_reason: str) -> str:
-    """How many of the verifier `steps` (the prefill's included: it can verify a tree too) verified a
-    draft tree, and why the others did not."""
+def tree_share(gens: list[Generation]) -> str:
+    """How many of the LLM steps (the prompt's included: it can verify a tree too) verified a draft
+    tree, and why most of the others did not."""
+    steps, tree_steps = sum(g.steps for g in gens), sum(g.tree_steps for g in gens)
+    reasons = Counter()
+    for g in gens:
+        if g.no_tree_reason:
+            reasons[g.no_tree_reason] += g.steps - g.tree_steps
+    reason = reasons.most_common(1)[0][0] if reasons else "no reason given"
     if tree_steps == 0:
-        return f"no step used a tree: {no_tree_reason}"
+        return f"no step used a tree: {reason}"
     if tree_steps == steps:
         return "trees in every step"
     percent = min(99, max(1, round(100 * tree_steps / steps)))  # neither 0% nor 100% when it is neither
-    return f"trees in {percent}% of steps (otherwise: {no_tree_reason})"
-
-
-def in_process_tree_use(mode: str) -> str:
-    """The in-process engine counts no tree-less steps; what its mode does is known: it drafts a
-    tree whenever the tree has room for a node before max_new_tokens."""
-    if mode == Mode.INCREMENTAL.value:
-        return "no step used a tree: speculation off (--mode incremental)"
-    return f"a tree at every step while two or more tokens remain (--mode {mode})"
+    return f"trees in {percent}% of steps (otherwise: {reason})"
 
 
 def waiting_notice(command: str, address: str, wait: float):

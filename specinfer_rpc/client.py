@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -120,25 +119,11 @@ def generate_all(address: str, requests: list[Request], speculation: str | None 
 
 @dataclass
 class RemoteRun:
-    """`generate_remote`'s answer: per prompt its generation, text and the server's usage."""
+    """`generate_remote`'s answer: per prompt its generation (with the server's usage figures) and text."""
 
     generations: list[Generation]
     texts: list[str]
-    usages: list[generation_pb2.Usage]
     seconds: float  # from the first Generate call to the end of the last stream
-
-    @property
-    def tree_steps(self) -> int:
-        return sum(u.tree_steps for u in self.usages)
-
-    @property
-    def no_tree_reason(self) -> str:
-        """The server's reason for most of the steps without a tree; "" when it gave none."""
-        reasons = Counter()
-        for u in self.usages:
-            if u.no_tree_reason:
-                reasons[u.no_tree_reason] += u.verifier_steps - u.tree_steps
-        return reasons.most_common(1)[0][0] if reasons else ""
 
 
 def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens: int, sampling,
@@ -168,8 +153,9 @@ def generate_remote(address: str, prompts: list[tuple[str, str]], max_new_tokens
                                            for s in streams))
         except grpc.aio.AioRpcError as e:
             raise RuntimeError(f"{address}: {e.code().name}: {e.details()}") from e
-        gens = [Generation(pid, s.token_ids, s.finish_reason, s.usage.verifier_steps - 1, [])
+        gens = [Generation(pid, s.token_ids, s.finish_reason, s.usage.verifier_steps, [], s.usage.tree_steps,
+                           s.usage.no_tree_reason)
                 for (pid, _), s in zip(prompts, streams)]
-        return RemoteRun(gens, [t.text for t in texts], [s.usage for s in streams], seconds)
+        return RemoteRun(gens, [t.text for t in texts], seconds)
 
     return asyncio.run(run())

@@ -31,6 +31,7 @@ class Service:
     address: str = ""
     metrics: str = ""  # its /metrics URL, when it serves one
     http: str = ""  # an HTTP service's scheme (the gateway: "http" or "https"); its health is GET /health
+    source: Path = Path(__file__).resolve().parent.parent  # the source tree it runs from (e.g. another checkout, to compare)
 
     @property
     def url(self) -> str:
@@ -56,9 +57,11 @@ class System:
     def by_name(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
-    def start(self, name: str, module: str, args: list[str], timeout: float, http: str = "") -> Service:
-        """Start `python -m module args`, wait until it is listening and healthy."""
-        service = Service(name, module, args, http=http)
+    def start(self, name: str, module: str, args: list[str], timeout: float, http: str = "",
+              source: Path | None = None) -> Service:
+        """Start `python -m module args` (from the source tree `source`, default this one), wait until
+        it is listening and healthy."""
+        service = Service(name, module, args, http=http, **({"source": source} if source else {}))
         self.services.append(service)
         self._run(service, timeout)
         return service
@@ -77,7 +80,7 @@ class System:
             log = open(self.log_dir / f"{service.name}.log", "a")
         proc = service.process = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
                                                   stdout=subprocess.PIPE, stderr=log, text=True,
-                                                  cwd=Path(__file__).resolve().parent.parent)
+                                                  cwd=service.source)
         if log is not None:
             log.close()  # the child has its own copy
         address = ""

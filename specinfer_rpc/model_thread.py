@@ -5,9 +5,8 @@ On the CPU, PyTorch's and MKL's OpenMP keep a team of threads per calling thread
 count is set per calling thread. A model loaded on the main thread and stepped on a worker thread
 has two teams: once their threads outnumber the cores, libgomp stops spin-waiting between parallel
 regions and every region pays a sleep and a wake-up, and `torch.set_num_threads` called on the main
-thread leaves the worker's MKL at every core. Measured on the 2-core CI machine, the shipped LLM:
-a one-token forward 2.8 ms when one thread did everything, 4.1 ms when it had loaded on another
-thread; a forward over 7 rows 3.5 ms against 7.6 ms.
+thread leaves the worker's MKL at every core. On a 2-core CPU that made small forwards up to twice
+as slow.
 """
 
 from __future__ import annotations

@@ -18,6 +18,13 @@ import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specinfer.errors import (
+    AlreadyRunning,
+    Failed,
+    Overloaded,
+    VerifierLost,
+    VerifierUnavailable,
+)
 from specinfer.kv_cache import CacheFull
 
 from .config import ServerConfig
@@ -35,11 +42,22 @@ class Abort(Exception):
         self.code = code
 
 
+CORE_ERRORS = {  # the core's typed errors (specinfer/errors.py) as status codes
+    CacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    AlreadyRunning: grpc.StatusCode.ALREADY_EXISTS,
+    VerifierUnavailable: grpc.StatusCode.UNAVAILABLE,
+    VerifierLost: grpc.StatusCode.UNAVAILABLE,
+    Failed: grpc.StatusCode.INTERNAL,
+}
+
+
 def _status(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, Abort):
         return e.code, str(e)
-    if isinstance(e, CacheFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    for kind, code in CORE_ERRORS.items():
+        if isinstance(e, kind):
+            return code, str(e)
     if isinstance(e, ValueError):  # the core names the field: "max_new_tokens: must be > 0, got 0"
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     log.exception("internal error")

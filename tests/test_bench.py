@@ -130,3 +130,22 @@ def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_pe
         assert eager["syncs"] == static["syncs"] == 1, r
         assert 1.0 <= r["context_growth"] <= 1.2, "random drafts are rarely accepted: about one token per step"
     assert "eager vs static" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_manager_time_writes_its_table(tmp_path):
+    out = tmp_path / "manager_time"
+    proc = subprocess.run([sys.executable, "-m", "specinfer_bench.manager_time", "--batches", "1,4", "--repeats", "20",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split("|")[1:-1] for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| 1 ") or line.startswith("| 4 ")]
+    assert [int(r[0]) for r in rows] == [1, 4] and all(float(x) > 0 for r in rows for x in r[1:])
+
+
+def test_services_configs_name_their_options_and_refuse_unknown_ones():
+    from specinfer_bench.services import manager_flags
+
+    assert "--speculators" not in manager_flags("off@baseline", "v:1", ["s:2"])
+    flags = manager_flags("2,1,1@16@static@nolookup@mss@baseline", "v:1", ["s:2"])
+    assert flags[flags.index("--tree-budget") + 1] == "16" and "--no-adaptive" in flags and "--no-context-lookup" in flags
+    with pytest.raises(ValueError, match="unknown option"):
+        manager_flags("2,1,1@16@fast", "v:1", ["s:2"])

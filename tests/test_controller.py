@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from manager_svc.controller import Fit, SpeculationController, Step
+from specinfer.controller import Fit, SpeculationController, Iteration
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -36,7 +36,7 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
         nodes = (full[m - 1] if c.speculators else m) if m else 0
         rows = batch_size * (1 + nodes)
         v, d = verify(batch_size, rows), draft_level * asked
-        controller.record(Step(batch_size, c, rows, m > 0, asked, batch_size * nodes if asked else 0,
+        controller.record(Iteration(batch_size, c, rows, m > 0, asked, batch_size * nodes if asked else 0,
                                v + d + overhead, v, d, accepted if m else [], [nodes] * batch_size if m else []))
     return chosen
 

@@ -24,7 +24,7 @@ from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree, merge
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer.verify import verify_batch
+from specinfer.acceptance import verify_batch
 from specinfer_bench import ops
 from specinfer_bench.kernel import random_tree
 from specinfer_rpc.convert import tree_from_pb

@@ -98,7 +98,7 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
 
 
 def test_the_managers_iteration_split_by_batch_size_and_levels_adds_up_to_its_totals():
-    from manager_svc.scheduler import Stats
+    from specinfer.engine import Stats
 
     stats = Stats()
     for b, m, busy in [(2, 0, 0.004), (2, 0, 0.005), (1, 3, 0.011), (2, 1, 0.009), (2, 0, 0.0045)]:

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from specinfer.generate import Request
 from specinfer.model import LlamaModel
-from specinfer.parallel import Layout
+from specinfer.parallel import RankLayout
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_rpc.client import connect, generate_all, request_pb
@@ -49,7 +49,7 @@ def captured_logits(verifier) -> list[torch.Tensor]:
 
 
 def _rank(rank: int, tp: int, pp: int, init_method: str, results) -> None:
-    verifier = _build(Layout(tp, pp, rank), init_method, 60.0, str(MODELS / "llm"), torch.float32,
+    verifier = _build(RankLayout(tp, pp, rank), init_method, 60.0, str(MODELS / "llm"), torch.float32,
                       torch.device("cpu"), 4096, 1)
     logits = captured_logits(verifier)
     if rank == verifier.layout.leader:  # as numpy: torch tensors would be shared with the exiting process

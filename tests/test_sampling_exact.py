@@ -28,7 +28,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specinfer import verify as verify_module
+from specinfer import acceptance
 from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig
 from specinfer.kv_cache import KVPool
@@ -151,7 +151,7 @@ def no_residual(p, q):
 
 
 def test_chi_square_rejects_a_rule_without_the_residual_update(monkeypatch):
-    monkeypatch.setattr(verify_module, "_residual", no_residual)
+    monkeypatch.setattr(acceptance, "_residual", no_residual)
     llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
     gens = run(llm, ssms, Mode.MERGED, [2, 2, 2], T08, n=6000)
     samples = [tuple(g.token_ids[1:4]) for g in gens]
@@ -225,8 +225,8 @@ def test_a_seed_gives_the_same_tokens_whatever_the_speculation_and_the_batch(mod
 
 def test_noise_keyed_by_batch_row_instead_of_position_breaks_the_seed(monkeypatch):
     """WRONG on purpose: the coupled sample's noise keyed by the row it has in the batch."""
-    real = verify_module.coupled_sample
-    monkeypatch.setattr(verify_module, "coupled_sample",
+    real = acceptance.coupled_sample
+    monkeypatch.setattr(acceptance, "coupled_sample",
                         lambda p, key, position: real(p, key, torch.arange(len(key), device=p.device)))
     out = seeded_tokens(MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM],
                         {k: SETTINGS[k] for k in ("off", "tree_2_2_1")})

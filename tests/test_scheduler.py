@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 
-from manager_svc.controller import PLAIN, Choice, SpeculationController, Step
 from manager_svc.scheduler import Scheduler
-from specinfer.generate import Request
+from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
+from specinfer.engine import Request, SpeculativeEngine
 from specinfer.tree import TokenTree
 
 PERIOD = 5
@@ -77,15 +77,16 @@ class Fixed(SpeculationController):
     def choose(self, batch_size, full_trees):
         return Choice(len(full_trees), self.speculators) if full_trees else PLAIN
 
-    def record(self, step: Step) -> None:
+    def record(self, step: Iteration) -> None:
         self.steps.append(step)
         super().record(step)
 
 
 def run(speculators: bool, prompts: list[list[int]], n: int):
     speculator, controller = Speculator(), Fixed(speculators)
-    scheduler = Scheduler(Verifier(), [speculator], eos=set(), expansion=[1, 1, 1], tree_budget=64, max_batch=8,
-                          max_queue=8, max_prefill_tokens=4096, controller=controller, lookup=True)
+    engine = SpeculativeEngine(Verifier(), [speculator], eos=set(), expansion=[1, 1, 1], tree_budget=64,
+                               controller=controller, lookup=True, lookup_tokens=3)
+    scheduler = Scheduler(engine, max_batch=8, max_queue=8, max_prefill_tokens=4096)
     seqs = [scheduler.submit(Request(p, n), None) for p in prompts]
 
     async def go():

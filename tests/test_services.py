@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from manager_svc.__main__ import ManagerConfig
-from specinfer.generate import Request
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import connect, generate, generate_all, request_pb
 from specinfer_rpc.launch import System
@@ -91,6 +92,20 @@ def test_a_seed_gives_plain_seeded_samplings_tokens_whatever_the_speculation_and
     other_seed = generate_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
                                                           ignore_eos=True)])[0].token_ids
     assert other_seed != plain
+
+
+def test_the_same_requests_give_the_same_tokens_in_process_and_through_the_services(system, heldout_ids):
+    """One engine: greedy, seeded sampling and MSS with a fixed tree give the same tokens from the
+    in-process Engine with the services' settings (both SSMs merged with context lookup) as through
+    the services, which run the same iteration over remote drafters and a remote verifier."""
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    ssms = [LlamaModel.from_pretrained(MODELS / f"ssm-{i}") for i in range(2)]
+    settings = [SamplingParams(), SamplingParams(0.8, top_p=0.95, seed=3), SamplingParams(0.8, top_p=0.95, seed=4, mss=True)]
+    requests = [Request(heldout_ids[i], 32, s, ignore_eos=True) for i, s in enumerate(settings)]
+    local = Engine(llm, ssms, Mode.MERGED, [2, 2, 1, 1], lookup=True).generate(requests)
+    remote = generate_all(system.manager.address, requests, "2,2,1,1")
+    assert [g.token_ids for g in local] == [s.token_ids for s in remote]
+    assert [g.steps for g in local] == [s.usage.verifier_steps for s in remote]
 
 
 def test_mss_gives_the_same_tokens_alone_and_in_a_crowd_with_the_same_fixed_tree(system, heldout_ids):

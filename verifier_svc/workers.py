@@ -20,9 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specinfer.kv_cache import CacheFull
-from specinfer.parallel import Layout, PipelineVerifier, apply_tensor_parallel, init_rank, load_stage
+from specinfer.parallel import RankLayout, PipelineVerifier, apply_tensor_parallel, init_rank, load_stage
 from specinfer.verifier import VerifyRequest
-from specinfer.verify import Verdict
+from specinfer.acceptance import Verdict
 
 
 class RankFailed(RuntimeError):
@@ -35,7 +35,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-def _build(layout: Layout, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
+def _build(layout: RankLayout, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
            device: torch.device, kv_tokens: int, threads: int) -> PipelineVerifier:
     if threads:
         torch.set_num_threads(threads)
@@ -46,7 +46,7 @@ def _build(layout: Layout, init_method: str, timeout_s: float, model_dir: str, d
     return PipelineVerifier(model, kv_tokens, layout)
 
 
-def _worker(layout: Layout, conn: multiprocessing.connection.Connection, *build_args) -> None:
+def _worker(layout: RankLayout, conn: multiprocessing.connection.Connection, *build_args) -> None:
     verifier = _build(layout, *build_args)
     conn.send("ready")
     while True:
@@ -84,13 +84,13 @@ class ParallelVerifier:
         self.procs, self.conns = [], []
         for rank in range(1, tp * pp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(Layout(tp, pp, rank), child, *build_args), daemon=True,
+            proc = ctx.Process(target=_worker, args=(RankLayout(tp, pp, rank), child, *build_args), daemon=True,
                                name=f"verifier-rank-{rank}")
             proc.start()
             self.procs.append(proc)
             self.conns.append(parent)
         self.failed = ""
-        self.local = _build(Layout(tp, pp, 0), *build_args)
+        self.local = _build(RankLayout(tp, pp, 0), *build_args)
         for rank, conn in enumerate(self.conns, start=1):
             if not conn.poll(timeout_s) or conn.recv() != "ready":
                 self._fail(f"rank {rank} did not start")

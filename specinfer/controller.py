@@ -1,6 +1,6 @@
 """Which draft trees the server should verify at the current batch size, from a cost model.
 
-Each iteration the manager may draft with any prefix <k_1..k_m> of the server's expansion config
+Each iteration the engine (engine.py) may draft with any prefix <k_1..k_m> of the server's expansion config
 that fits the tree budget (m = 0: no tree, plain incremental decoding), and, with context lookup on,
 with context lookup's chain alone (m levels, every level the budget allows: no speculator is asked,
 so the step costs no drafting and no RPC). The controller picks the choice that maximizes the
@@ -17,16 +17,15 @@ expected output of the whole batch per second (Sequoia's objective, per batch si
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
-  fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, the manager), fitted to
+  fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, bookkeeping), fitted to
   [1, B, asked] (asked: 1 if the speculators were asked for trees).
 - Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
 the model does not see decide (a speculator that sat out plain steps catches up on their tokens first;
-the fits' own error). Through the services at two streams on a CPU, with the controller choosing
-depth-1 trees there at a predicted near-tie, they ran at 0.86x no speculation; with the margin, 0.92x
-and 0.95x (two runs).
+the fits' own error); without the margin, near-tie trees at two streams on a CPU ran below no
+speculation.
 
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
@@ -53,7 +52,7 @@ class Fit:
     """Least squares of y on features x over the last `window` samples (a small ridge keeps it
     defined before the samples span every feature). The normal equations' sums X'X and X'y are kept
     as samples come and go, so a prediction after an update solves one k x k system instead of
-    rebuilding the window's arrays (this runs every iteration, on the manager's event loop)."""
+    rebuilding the window's arrays (this runs every iteration, on the engine's event loop)."""
 
     window: int = 256
     samples: deque = field(default_factory=deque)
@@ -95,7 +94,7 @@ PLAIN = Choice(0)
 
 
 @dataclass
-class Step:
+class Iteration:
     """What one steady iteration did and cost, for the controller."""
 
     batch_size: int
@@ -229,7 +228,7 @@ class SpeculationController:
             near += lookup
         return near or [c]
 
-    def record(self, step: Step) -> None:
+    def record(self, step: Iteration) -> None:
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
         self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
         if step.draft_levels:

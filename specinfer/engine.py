@@ -1,0 +1,359 @@
+"""The speculative iteration, written once: the in-process Engine (generate.py) and the manager's
+scheduler (manager_svc) both run `SpeculativeEngine.iteration`.
+
+One iteration over a batch of running requests:
+  1. plan each request's draft: its own expansion config if it fixed one, else the server's, cut to
+     the tree budget shared by the batch, at the depth the cost-model controller (controller.py)
+     picks for this batch size, down to none or context lookup's chain alone; never past
+     max_new_tokens (a step emits the accepted path plus one token of the LLM's own);
+  2. draft: every drafter at once (SSMs in this process, or speculator services), and context
+     lookup's chain from the request's own earlier text (lookup.py), of up to `lookup_tokens`
+     tokens, or as deep as the planned tree (0); merge each request's trees into one;
+  3. verify: one batched step; a new request's prompt rides in the same step as the others' trees;
+  4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
+
+Drafters and the verifier are interfaces, so the same iteration drives local models and remote
+services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
+only costs its trees; a verifier that fails fails the step's requests (errors.py), except when it
+lost their state: then their whole records are resent, at most `MAX_RESYNCS` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .controller import Choice, Iteration, SpeculationController
+from .errors import VerifierLost, VerifierUnavailable
+from .lookup import ContextIndex, chain_tree
+from .sampling import SamplingParams
+from .tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
+
+MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    id: str = ""
+
+
+@dataclass
+class Draft:
+    """What a drafter needs to draft for one request."""
+
+    request_id: str
+    record: list[int]  # prompt + committed tokens; the last one is the tree's root
+    expansion: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class Check:
+    """What the verifier needs for one request's step."""
+
+    request_id: str
+    new_tokens: list[int]  # the record's tokens the verifier does not hold yet
+    record_length: int  # the record's length with them
+    tree: TokenTree
+    sampling: SamplingParams
+
+
+class Drafter(Protocol):
+    """Draft trees for many requests at once: an SSM in this process or a speculator service."""
+
+    draft_ns: int  # the drafter's own time in its last draft (0: not known)
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
+        """Trees by request id; a request without one gets none this step."""
+
+    def release(self, request_id: str) -> None:
+        """Forget the request (now, or with the next message)."""
+
+    async def flush(self) -> None:
+        """Deliver pending releases now."""
+
+
+class VerifierBackend(Protocol):
+    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[list[int]], int]:
+        """Each request's emitted tokens (accepted path + bonus) and the step's own time in ns, after
+        forgetting the `release` requests. Raises VerifierUnavailable or VerifierLost."""
+
+    async def release(self, request_ids: list[str]) -> None: ...
+
+
+@dataclass
+class Chunk:
+    """Tokens emitted in one step; the last chunk of a request has its finish reason."""
+
+    tokens: list[int]
+    finish_reason: str = ""
+    accepted: int = 0  # draft tokens among them
+    tree: TokenTree | None = None  # the merged tree the step verified (None: none)
+    # for a request that asked for its trees: which drafters proposed each node (bit i: drafter i,
+    # context lookup the bit after them) and the nodes the verifier accepted
+    proposers: list[int] = field(default_factory=list)
+    accepted_nodes: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A running request: its token record (prompt + committed tokens), the single source of truth."""
+
+    request: Request
+    expansion: list[int] | None  # None: the server's, within the tree budget; [] none; else fixed
+    want_trees: bool = False  # each chunk names its tree's proposers and accepted nodes
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    done: bool = False  # finished, cancelled or failed: the engine skips it
+    steps: int = 0  # verifier steps, the first (prefill) included
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted at each step
+    tree_steps: int = 0  # steps that verified a draft tree
+    no_tree: collections.Counter = field(default_factory=collections.Counter)  # why the other steps had none
+    verifier_has: int = 0  # tokens of the record the verifier holds
+    resyncs: int = 0
+    context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def record(self) -> list[int]:
+        return self.request.prompt + self.generated
+
+
+@dataclass
+class Stats:
+    """Where the iterations' time went, by (batch size, levels asked of the drafters): e.g. whether
+    the few tree steps of a load that mostly decodes plainly cost more than they win."""
+
+    shapes: dict = field(default_factory=dict)  # (batch size, levels) -> [iterations, wall time]
+    verify_s: float = 0.0  # of the wall time, the verifier's step
+    draft_s: float = 0.0  # of the wall time, the slowest drafter's tree building
+
+    def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float) -> None:
+        shape = self.shapes.setdefault((batch_size, levels), [0, 0.0])
+        shape[0] += 1
+        shape[1] += busy_s
+        self.verify_s += verify_s
+        self.draft_s += draft_s
+
+    def summary(self) -> dict:
+        iterations = sum(k for k, _ in self.shapes.values())
+        busy_s = sum(t for _, t in self.shapes.values())
+        n = max(iterations, 1)
+        return {"iterations": iterations, "mean_batch": sum(b * k for (b, _), (k, _) in self.shapes.items()) / n,
+                "ms_per_iteration": 1e3 * busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
+                "draft_ms": 1e3 * self.draft_s / n,
+                "overhead_ms": 1e3 * (busy_s - self.verify_s - self.draft_s) / n,
+                "by_batch_and_levels": {f"{b}x{m}": {"iterations": k, "ms": round(1e3 * t / k, 2)}
+                                        for (b, m), (k, t) in sorted(self.shapes.items())}}
+
+
+def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
+    """Append a step's tokens to the request's generated tokens `out`, up to and including the
+    first that finishes the request; return the finish reason ("eos", "stop", "length") or ""."""
+    for t in tokens:
+        out.append(t)
+        if t in eos and not req.ignore_eos:
+            return "eos"
+        if t in req.stop_token_ids:
+            return "stop"
+        if len(out) >= req.max_new_tokens:
+            return "length"
+    return ""
+
+
+class SpeculativeEngine:
+    def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
+                 tree_budget: int | None = None, controller: SpeculationController | None = None,
+                 lookup: bool = False, lookup_tokens: int = 0):
+        if lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
+        self.verifier = verifier
+        self.drafters = drafters
+        self.eos = eos
+        self.expansion = expansion  # the server's expansion config
+        self.tree_budget = tree_budget  # nodes per batch of the server's trees (None: not limited)
+        self.controller = controller  # None: always the server's whole trees (within the budget)
+        self.lookup = lookup  # context lookup joins the drafters' trees (proposer number len(drafters))
+        self.lookup_tokens = lookup_tokens  # 0: as deep as the request's planned tree (what the controller models)
+        self.verifier_release: set[str] = set()  # sent with the next verify call
+        self.stats = Stats()
+
+    # -- what a request may cost ------------------------------------------------------------
+    def max_tree(self, seq: Sequence) -> int:
+        """The most nodes a merged draft tree of the request can have (merging unions the trees)."""
+        expansion = seq.expansion if seq.expansion is not None else (
+            fit_expansion(self.expansion, self.tree_budget) if self.tree_budget is not None else self.expansion)
+        chain = (self.lookup_tokens or len(expansion)) if self.lookup and expansion else 0
+        return tree_size(expansion) * len(self.drafters) + chain
+
+    # -- releasing state --------------------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        """Free a finished request's state on the verifier (with the next step) and the drafters."""
+        self.verifier_release.add(request_id)
+        for d in self.drafters:
+            d.release(request_id)
+
+    async def flush(self) -> None:
+        """Deliver pending releases now (when no step is coming to carry them)."""
+        if self.verifier_release:
+            ids = sorted(self.verifier_release)
+            self.verifier_release.clear()
+            try:
+                await self.verifier.release(ids)
+            except VerifierUnavailable:
+                pass  # a verifier that is down holds nothing
+        await asyncio.gather(*(d.flush() for d in self.drafters))
+
+    # -- the iteration ----------------------------------------------------------------------
+    async def iteration(self, batch: list[Sequence]) -> list[tuple[Sequence, Chunk | Exception]]:
+        """One step of every request in `batch`: each one's chunk, or the error it failed with.
+        Requests marked done meanwhile (cancelled) are skipped."""
+        start = time.perf_counter()
+        steady = all(s.verifier_has for s in batch)
+        full_trees = self._full_trees(len(batch))
+        choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
+        trees, sources, plans, (levels, nodes) = await self._draft(batch, choice, len(full_trees))
+        for s in batch:
+            if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
+                for d in self.drafters:
+                    d.release(s.id)
+        batch = [s for s in batch if not s.done]
+        if not batch:
+            return []
+        checks = [Check(s.id, s.record[s.verifier_has:], len(s.record), trees.get(s.id, TokenTree()),
+                        s.request.sampling) for s in batch]
+        release = sorted(self.verifier_release)
+        self.verifier_release.clear()
+        try:
+            results, step_ns = await self.verifier.verify(checks, release)
+        except VerifierLost as e:
+            return self._resync(batch, e)
+        except VerifierUnavailable as e:
+            self.verifier_release.update(release)
+            return [(s, e) for s in batch]
+        # the slowest drafter's own time this iteration (0: none was asked)
+        draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0
+        if self.controller is not None and steady:
+            on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in plans]
+            self.controller.record(Iteration(
+                batch_size=len(batch), choice=choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
+                trees=bool(trees), draft_levels=levels, draft_nodes=nodes,
+                seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
+                accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
+                tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server]))
+        out = []
+        for s, tokens in zip(batch, results):
+            if s.done:  # cancelled while the step ran
+                continue
+            out.append((s, self._commit(s, tokens, trees.get(s.id), sources.get(s.id, {}))))
+        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9)
+        return out
+
+    def _commit(self, s: Sequence, tokens: list[int], tree: TokenTree | None, sources: dict[int, TokenTree]) -> Chunk:
+        s.verifier_has = len(s.record) + len(tokens)
+        s.steps += 1
+        s.tree_steps += tree is not None
+        before = len(s.generated)
+        s.finish_reason = append_tokens(s.generated, s.request, tokens, self.eos)
+        emitted = s.generated[before:]
+        accepted = len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
+        s.accepted.append(accepted)
+        chunk = Chunk(emitted, s.finish_reason, accepted, tree)
+        if s.want_trees and tree is not None:
+            chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
+        return chunk
+
+    def _resync(self, batch: list[Sequence], error: VerifierLost) -> list[tuple[Sequence, Chunk | Exception]]:
+        """The verifier lost request state: resend whole records next step (the step emitted nothing)."""
+        failed = []
+        for s in batch:
+            s.resyncs += 1
+            if s.resyncs > MAX_RESYNCS:
+                failed.append((s, VerifierUnavailable(f"verifier keeps losing state: {error}")))
+            else:
+                s.verifier_has = 0
+                self.verifier_release.add(s.id)
+        return failed
+
+    def _full_trees(self, batch_size: int) -> list[int]:
+        """Nodes of one drafter's tree for each depth of the server's expansion config that fits
+        the tree budget at this batch size (the depths the controller may choose from)."""
+        fits = self.expansion if self.tree_budget is None else fit_expansion(
+            self.expansion, self.tree_budget // max(batch_size, 1))
+        return [tree_size(fits[:m]) for m in range(1, len(fits) + 1)]
+
+    def _plan(self, seq: Sequence, choice: Choice) -> list[int]:
+        """The request's expansion config this step: its own if fixed, else the server's first
+        `choice.depth` levels."""
+        expansion = self.expansion[: choice.depth] if seq.expansion is None else seq.expansion
+        return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
+
+    def _why_no_plan(self, seq: Sequence, batch_size: int, fits: int) -> str:
+        """Why `_plan` gave the request no tree this step, in words for its usage report (`fits`:
+        how many levels of the server's expansion the tree budget allows at this batch size)."""
+        if seq.expansion == []:
+            return "speculation off for this request"
+        if seq.request.max_new_tokens - len(seq.generated) <= 1:
+            return "the last token needs no draft"
+        if not self.expansion:
+            return "the server's default expansion is empty"
+        if not fits:
+            return (f"the tree budget ({self.tree_budget} nodes) over {batch_size} requests is smaller than the "
+                    f"expansion's first level ({self.expansion[0]})")
+        return f"the cost model predicts plain decoding faster at batch size {batch_size}"
+
+    def _asks(self, seq: Sequence, choice: Choice) -> bool:
+        """Whether the drafters draft for the request this step: always for a fixed expansion (the
+        server's choice is for the server's trees), else when the server's choice uses them."""
+        return choice.speculators or seq.expansion is not None
+
+    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
+            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], tuple[int, int]]:
+        """Each request's merged draft tree (none for a request that gets no tree this step), for
+        requests that asked for their trees the trees it merged by drafter number (context lookup's:
+        the number after the drafters'), the expansion config each drafted request was planned, and
+        the deepest tree asked of the drafters (0: they were not asked) with the nodes asked in all."""
+        drafting = []
+        for s in batch:
+            if plan := self._plan(s, choice):
+                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
+            else:
+                s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
+        if not drafting or not (self.drafters or self.lookup):
+            for s, _ in drafting:
+                s.no_tree["no drafters configured"] += 1
+            return {}, {}, {}, (0, 0)
+        asked = [d for s, d in drafting if self._asks(s, choice)] if self.drafters else []
+        answers = (await asyncio.gather(*(d.draft(asked) for d in self.drafters)) if asked
+                   else [{}] * len(self.drafters))  # context lookup alone: no drafter asked
+        merged, sources = {}, {}
+        for s, d in drafting:
+            trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
+            if self.lookup:
+                s.context.extend(d.record[len(s.context.tokens):])
+                room = s.request.max_new_tokens - len(s.generated) - 1
+                if chain := s.context.draft(min(self.lookup_tokens or len(d.expansion), room)):
+                    trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
+            if not trees:
+                s.no_tree["no drafter sent a tree in time" if asked and self._asks(s, choice)
+                          else "context lookup found no earlier occurrence to continue"] += 1
+                continue
+            merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
+            if s.want_trees:
+                sources[s.id] = trees
+        asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked))
+        return merged, sources, {s.id: d.expansion for s, d in drafting}, asked_for
