@@ -122,6 +122,18 @@ class SpeculatorClient:
         """Not waiting out a broken stream."""
         return self.call is not None or time.monotonic() >= self.retry_at
 
+    async def connect(self, wait: float) -> None:
+        """Open the stream now if the speculator answers within `wait` seconds (at start, and when a
+        replica joins), so that `connected` counts it before the first request; otherwise the first
+        draft tries again."""
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), wait)
+        except asyncio.TimeoutError:
+            return
+        async with self.exchange:
+            if self.call is None:
+                self.call = self.stub.Speculate()
+
     def release(self, request_id: str) -> None:
         """Free the request on the speculator with the next message (a draft may be in flight)."""
         self.told.pop(request_id, None)

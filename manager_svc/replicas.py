@@ -25,6 +25,8 @@ log = logging.getLogger("specinfer.manager")
 
 
 class SpeculatorReplicas:
+    CONNECT_WAIT = 2.0  # seconds a joining replica gets to answer before its first draft tries again
+
     def __init__(self, target: Target, drafter: int, timeout: float, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None):
         self.target = target
@@ -54,11 +56,14 @@ class SpeculatorReplicas:
         except LOOKUP_ERRORS as e:
             log.warning("speculators %s: lookup failed (%s); keeping %d replicas", self.target, e, len(self.replicas))
             return
+        joined = []
         for address in addresses:
             if address not in self.replicas:
                 log.info("speculator replica %s joins (drafter %d)", address, self.drafter)
-                self.replicas[address] = SpeculatorClient(address, self.drafter, self.timeout, self.max_message_bytes,
-                                                          self.credentials, self.target.name)
+                joined.append(SpeculatorClient(address, self.drafter, self.timeout, self.max_message_bytes,
+                                               self.credentials, self.target.name))
+                self.replicas[address] = joined[-1]
+        await asyncio.gather(*(r.connect(self.CONNECT_WAIT) for r in joined))
         for address in set(self.replicas) - set(addresses):
             log.info("speculator replica %s leaves", address)
             gone = self.replicas.pop(address)

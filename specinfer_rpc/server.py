@@ -140,14 +140,18 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
     elif inspect.iscoroutinefunction(behaviour):
         async def guarded(request, context):
             return await behaviour(await admit(request, context), context)
-    elif kind == "unary_unary":  # a plain function, run on the server's thread pool (grpc_health's List)
-        def guarded(request, context):
-            if request is not _CORRUPT:
-                return behaviour(request, context)
-            refuse(context)  # the status is sent; the server ends the call when this returns
-    else:  # no sync streaming handlers are served
+    else:  # every handler served is a coroutine or an async generator
         return handler
     return handler._replace(request_deserializer=tolerant, **{kind: guarded})
+
+
+class Health(health.aio.HealthServicer):
+    """grpc_health's servicer with `List` as well: every service's status (the installed one answers
+    List UNIMPLEMENTED and logs a traceback, so any client could fill the logs)."""
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            service: health_pb2.HealthCheckResponse(status=status) for service, status in self._server_status.items()})
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -176,7 +180,7 @@ async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, obj
                              interceptors=(*interceptors, CorruptRequests()))
     for add, servicer, _ in services:
         add(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [full for _, _, full in services]
     reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -11,6 +11,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from manager_svc.__main__ import ManagerConfig
 from specinfer.generate import Engine, Mode, Request
@@ -19,7 +20,7 @@ from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import connect, generate, generate_all, request_pb
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
-from specinfer_rpc.v1 import common_pb2, generation_pb2
+from specinfer_rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .conftest import MODELS, ROOT
 from .services import active_requests, reference_greedy, seeded_reference
@@ -114,6 +115,27 @@ def test_mss_gives_the_same_tokens_alone_and_in_a_crowd_with_the_same_fixed_tree
     crowd = [Request(p, 40, SamplingParams(temperature=1.0, seed=i), ignore_eos=True) for i, p in enumerate(heldout_ids[4:12])]
     together = generate_all(system.manager.address, crowd[:4] + [req] + crowd[4:], "2,2,1,1")[4].token_ids
     assert len(alone) == 40 and together == alone
+
+
+def test_model_info_counts_the_connected_speculators_from_the_first_call(system, tmp_path):
+    """A manager connects to its speculators at start: GetModelInfo, asked before any request,
+    counts both, and Health/List answers every service's status (not UNIMPLEMENTED)."""
+    speculators = ",".join(s.address for s in system.services if s.name.startswith("speculator"))
+    fresh = System(log_dir=tmp_path)
+    try:
+        manager = fresh.start("manager-fresh", "manager_svc", [
+            "--port", "0", "--metrics-port", "0", "--verifier", system.by_name("verifier").address,
+            "--speculators", speculators, "--kv-cache-share", "0.1", "--tokenizer", str(MODELS / "llm")], 120)
+        with grpc.insecure_channel(manager.address) as channel:
+            info = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest(),
+                                                                              timeout=10)
+            statuses = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10).statuses
+        assert info.speculators == 2
+        assert statuses["specinfer.v1.Generation"].status == statuses[""].status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        fresh.stop()
+    log = (tmp_path / "manager-fresh.log").read_text()
+    assert "stopping" in log and "Traceback" not in log
 
 
 BAD_REQUESTS = {
