@@ -74,6 +74,8 @@ def rpc_errors(method: Callable) -> Callable:
                     yield item
             except grpc.aio.AbortError:
                 raise
+            except asyncio.CancelledError:  # the peer went away, or the server is stopping: no one to answer
+                return
             except Exception as e:
                 await context.abort(*_status(e))
         return stream

