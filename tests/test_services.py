@@ -154,6 +154,45 @@ def test_a_clean_stop_logs_no_traceback(tmp_path, heldout_ids):
     assert all("stopping" in text and "Traceback" not in text for text in logs.values()), logs
 
 
+CONTEXT = json.loads((MODELS / "llm" / "config.json").read_text())["max_position_embeddings"]
+EDGE_REQUESTS = {  # name: (GenerateRequest fields, the field an INVALID_ARGUMENT names, or None: a result)
+    "prompt at the context limit": (dict(prompt_token_ids=[11] * (CONTEXT - 1),
+                                         stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
+    "one token over it": (dict(prompt_token_ids=[11] * CONTEXT,
+                               stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), "max_new_tokens"),
+    "max_new_tokens 0 (unset: the default)": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=0)), None),
+    "max_new_tokens 1": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
+    "empty prompt": (dict(prompt_token_ids=[]), "prompt"),
+    "temperature 1e-6": (dict(sampling=common_pb2.SamplingParams(temperature=1e-6, seed=1)), None),
+    "temperature 100": (dict(sampling=common_pb2.SamplingParams(temperature=100.0, seed=1)), None),
+    "top_p 1e-9": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1e-9, seed=1)), None),
+}
+
+
+@pytest.mark.parametrize("name", list(EDGE_REQUESTS))
+def test_edge_requests_get_a_result_or_invalid_argument_naming_the_field(system, name):
+    fields, bad_field = EDGE_REQUESTS[name]
+    request = generation_pb2.GenerateRequest(**{"prompt_token_ids": [10, 11, 12], **fields})
+
+    async def go():
+        stub = connect(system.manager.address)
+        return [c async for c in stub.Generate(request, timeout=120)]
+
+    if bad_field is not None:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(go())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(bad_field + ":"), err.value.details()
+        return
+    messages = asyncio.run(go())
+    tokens = [t for m in messages for t in m.token_ids]
+    assert messages[-1].finish_reason and messages[-1].usage.completion_tokens == len(tokens) >= 1
+    want = request.stopping.max_new_tokens or ManagerConfig().default_max_new_tokens
+    assert len(tokens) == want or messages[-1].finish_reason != generation_pb2.FINISH_REASON_LENGTH
+    if request.sampling.temperature == 1e-6:  # a near-zero temperature samples the argmax
+        assert tokens == reference_greedy([list(request.prompt_token_ids)], want)[0][:len(tokens)]
+
+
 BAD_REQUESTS = {
     "prompt": dict(prompt_token_ids=[]),
     "prompt ": dict(prompt_token_ids=[5, VOCAB]),
