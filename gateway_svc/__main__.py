@@ -24,7 +24,8 @@ class GatewayConfig(EndpointConfig):
     """The HTTP gateway: OpenAI's completions and chat completions API, and the live tree viewer."""
 
     port: int = option(8000, "HTTP port to listen on (0: any free port)")
-    manager: str = option("127.0.0.1:50051", "the manager's address (its gRPC Generation API)")
+    manager: str = option("127.0.0.1:50051", "the manager's address (its gRPC Generation API); a name with several "
+                                             "addresses (dns:///managers:50051, a headless Service) is used round robin")
     tokenizer: str = option(DEFAULT_LLM, "the LLM's checkpoint (directory, .gguf file or the default), for its tokenizer and chat template")
     model_name: str = option("", "model id clients name (empty: the manager's model_name)")
     request_timeout: float = option(600.0, "seconds a generation may take before it fails 504")

@@ -125,10 +125,12 @@ class Gateway:
         self.manager = manager
         self.tokenizer = tokenizer
         self.timeout = request_timeout
-        self.channel = open_channel(manager, credentials, channel_options(max_message_bytes))
+        # round_robin: a name with several addresses (managers behind a headless Service) shares the load
+        self.channel = open_channel(manager, credentials,
+                                    channel_options(max_message_bytes) + [("grpc.lb_policy_name", "round_robin")])
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.model_name = model_name  # served name; empty: the manager's model_name
+        self.model_name = model_name  # served name; empty: the manager's model_name, asked once
         self.metrics = Metrics()
 
     async def call(self, method, request, metadata):
@@ -142,6 +144,13 @@ class Gateway:
         if self.model_name:
             info.model_name = self.model_name
         return info
+
+    async def served_name(self, metadata) -> str:
+        """The model id requests must name. Asked of a manager once, not per request: with
+        round_robin over two managers, a question per request sent every Generate to the same one."""
+        if not self.model_name:
+            self.model_name = (await self.model_info(metadata)).model_name
+        return self.model_name
 
     def prompt_ids(self, body) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
@@ -164,9 +173,9 @@ class Gateway:
     async def generate(self, http: Request, body, path: str):
         body.refuse_unsupported()
         metadata = auth(http)
-        info = await self.model_info(metadata)
-        if body.model != info.model_name:
-            raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {info.model_name!r} "
+        served = await self.served_name(metadata)
+        if body.model != served:
+            raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
                                 f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
         prompt = self.prompt_ids(body)
         stops, stop_ids = body.stop_strings(), body.stop_token_ids()
@@ -187,7 +196,7 @@ class Gateway:
         self.metrics.ttft.observe(time.perf_counter() - start)
         kind = "chat" if isinstance(body, ChatCompletionRequest) else "text"
         response = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                             info.model_name, kind, body.return_draft_trees, self)
+                             served, kind, body.return_draft_trees, self)
         self.metrics.in_flight.inc()
         outcome = {"completed": False}
 

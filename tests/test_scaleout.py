@@ -6,8 +6,10 @@ managers: two on one verifier share its KV cache and keep their request ids apar
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -109,23 +111,40 @@ def test_a_replica_killed_mid_load_loses_nothing_and_a_new_one_is_used(cluster, 
     assert newcomer.process.poll() is None
 
 
-def test_two_managers_share_one_verifier_with_the_same_request_ids(heldout_ids):
+def test_two_managers_share_one_verifier_with_the_same_request_ids_and_one_gateway_in_front(heldout_ids):
     """Manager scale-out: each reserves half of a small verifier KV pool, and their verifier ids
-    are their own. Both get the same client request ids at once; every output is exact."""
+    are their own. Both get the same client request ids at once; every output is exact. Then one
+    gateway in front of both by one DNS name with both addresses (a headless Service: the same
+    port on 127.0.0.1 and 127.0.0.2) spreads its requests over both, round robin."""
     prompts, new = heldout_ids[:4], 64
     need = max(-(-(len(p) + new) // 16) * 16 for p in prompts)
-    system = System()
+    system, dns = System(), DNSServer()
     try:
         verifier = system.start("verifier", "verifier_svc", ["--model", str(MODELS / "llm"), "--port", "0",
                                                              "--kv-cache-tokens", str(2 * need)], 120)
-        managers = [system.start(f"manager-{i}", "manager_svc",
-                                 ["--port", "0", "--verifier", verifier.address, "--tokenizer", str(MODELS / "llm"),
-                                  "--kv-cache-share", "0.5"], 120) for i in range(2)]
+        flags = ["--verifier", verifier.address, "--tokenizer", str(MODELS / "llm"), "--kv-cache-share", "0.5",
+                 "--metrics-port", "0"]
+        managers = [system.start("manager-0", "manager_svc", ["--port", "0", *flags], 120)]
+        port = managers[0].address.rsplit(":", 1)[1]
+        managers.append(system.start("manager-1", "manager_svc", ["--host", "127.0.0.2", "--port", port, *flags], 120))
         requests = [Request(p, new, id=f"req-{i}") for i, p in enumerate(prompts)]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             results = list(pool.map(lambda m: generate_all(m.address, requests, timeout=300), managers))
         want = reference_greedy(prompts, new)
         for streams in results:
             assert [s.token_ids for s in streams] == want
+
+        dns.set("managers.specinfer.test", "A", ["127.0.0.1", "127.0.0.2"])
+        gateway = system.start("gateway", "gateway_svc", ["--port", "0", "--tokenizer", str(MODELS / "llm"),
+                                                          "--manager", f"dns://{dns.address}/managers.specinfer.test:{port}"],
+                               120, http="http")
+        before = [total(scrape(m.metrics), "specinfer_requests_finished_total") for m in managers]
+        for p in prompts * 2:
+            body = json.dumps({"model": "llm", "prompt": p, "max_tokens": 8, "temperature": 0}).encode()
+            req = urllib.request.Request(gateway.url + "/v1/completions", body, {"Content-Type": "application/json"})
+            assert json.loads(urllib.request.urlopen(req, timeout=120).read())["usage"]["completion_tokens"] >= 1
+        served = [total(scrape(m.metrics), "specinfer_requests_finished_total") - b for m, b in zip(managers, before)]
+        assert sum(served) == 2 * len(prompts) and min(served) >= len(prompts) - 1, served  # alternating
     finally:
         system.stop()
+        dns.close()
