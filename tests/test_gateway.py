@@ -143,6 +143,13 @@ def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer,
                                    stream=stream, extra_body={"ignore_eos": True})
         text = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
         assert text == want[:want.index(stop)]
+    # a stop string that spans two tokens: the last character of one and the first of the next
+    bounds = [len(tokenizer.decode(want_ids[:k + 1], skip_special_tokens=True)) for k in range(len(want_ids) - 1)]
+    spanning = next(want[b - 1:b + 1] for b in bounds[3:] if want[b - 1:b + 1].strip() == want[b - 1:b + 1]
+                    and want.index(want[b - 1:b + 1]) == b - 1)
+    got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, stop=[spanning],
+                               extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want[:want.index(spanning)] and got.choices[0].finish_reason == "stop"
     token = want_ids[5]
     got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, extra_body={
         "ignore_eos": True, "stop": [token]})
