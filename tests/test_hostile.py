@@ -1,5 +1,5 @@
 """Hostile load on the real services (separate processes on 127.0.0.1, the tiny fixtures): a flood
-far past the queue bound, and clients that disconnect at every phase of a request. Nothing admitted
+far past the queue bound, clients that disconnect at every phase of a request, and slow readers. Nothing admitted
 is lost or wrong, every service goes back to idle, memory stays bounded, and no service logs a
 traceback. Each service's RSS before and after is printed (pytest -s)."""
 
@@ -123,6 +123,37 @@ def test_clients_that_disconnect_at_every_phase_leave_every_service_idle(hostile
     assert not any(after.values()), after
     assert again.token_ids == reference_greedy([heldout_ids[3]], 24)[0]
     assert all(rss(system)[name] - mib <= RSS_GROWTH_MIB for name, mib in before.items())
+
+
+def test_slow_readers_hold_back_no_one_and_get_their_whole_output_when_they_read(hostile, heldout_ids):
+    """32 streams that read nothing for 20 s beside 8 normal clients: the normal clients finish, with
+    the LLM's exact tokens, while the slow ones are still not reading (the scheduler never waits for
+    a stream: a step's chunks go to per-stream queues); the manager's memory stays bounded (each
+    stream holds at most max_new_tokens tokens); the slow readers then get their whole exact output."""
+    system, _ = hostile
+    prompts = heldout_ids[:8]
+    want = reference_greedy(prompts, 48)
+    before = rss(system)
+
+    async def read_all(call) -> list[int]:
+        return [t async for m in call for t in m.token_ids]
+
+    async def go():
+        stub = connect(system.manager.address)
+        slow = [stub.Generate(request_pb(Request(prompts[i % 8], 48)), timeout=300) for i in range(32)]
+        await asyncio.sleep(0.5)
+        normal = await asyncio.gather(*(read_all(stub.Generate(request_pb(Request(p, 48)), timeout=300))
+                                        for p in prompts))
+        during = rss(system)
+        await asyncio.sleep(20)
+        return normal, during, await asyncio.gather(*(read_all(c) for c in slow)), await until_idle(system)
+
+    normal, during, slow, after = asyncio.run(go())
+    print(f"slow readers: RSS MiB before {before}, while they did not read {during}, after {rss(system)}")
+    assert normal == want
+    assert slow == [want[i % 8] for i in range(32)]
+    assert not any(after.values()), after
+    assert during["manager"] - before["manager"] <= RSS_GROWTH_MIB
 
 
 def test_no_service_logged_a_traceback_through_the_hostile_load_and_its_stop(hostile):
