@@ -1,7 +1,7 @@
 """Token tree verification (SpecInfer section 4.3): which path of each draft tree the LLM accepts,
 for a whole batch at once, as tensor operations on the device that holds the logits.
 
-Both rules walk down from the root. At the current node the LLM's next-token distribution (one row
+Every rule walks down from the root. At the current node the LLM's next-token distribution (one row
 of the tree-decoding output) decides whether one of the node's children is accepted; if one is, the
 walk descends into it, otherwise it stops and the LLM emits one token of its own, the *bonus*.
 A step therefore emits len(path) + 1 tokens, and the bonus becomes the root of the next tree.

@@ -296,18 +296,23 @@ class SpeculativeEngine:
             self.expansion, self.tree_budget // max(batch_size, 1))
         return [tree_size(fits[:m]) for m in range(1, len(fits) + 1)]
 
+    @staticmethod
+    def _room(seq: Sequence) -> int:
+        """Draft tokens the request can still use: a step emits the accepted path plus one token."""
+        return max(0, seq.request.max_new_tokens - len(seq.generated) - 1)
+
     def _plan(self, seq: Sequence, choice: Choice) -> list[int]:
         """The request's expansion config this step: its own if fixed, else the server's first
         `choice.depth` levels."""
         expansion = self.expansion[: choice.depth] if seq.expansion is None else seq.expansion
-        return expansion[: max(0, seq.request.max_new_tokens - len(seq.generated) - 1)]
+        return expansion[: self._room(seq)]
 
     def _why_no_plan(self, seq: Sequence, batch_size: int, fits: int) -> str:
         """Why `_plan` gave the request no tree this step, in words for its usage report (`fits`:
         how many levels of the server's expansion the tree budget allows at this batch size)."""
         if seq.expansion == []:
             return "speculation off for this request"
-        if seq.request.max_new_tokens - len(seq.generated) <= 1:
+        if not self._room(seq):
             return "the last token needs no draft"
         if not self.expansion:
             return "the server's default expansion is empty"
@@ -345,8 +350,7 @@ class SpeculativeEngine:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
             if self.lookup:
                 s.context.extend(d.record[len(s.context.tokens):])
-                room = s.request.max_new_tokens - len(s.generated) - 1
-                if chain := s.context.draft(min(self.lookup_tokens or len(d.expansion), room)):
+                if chain := s.context.draft(min(self.lookup_tokens or len(d.expansion), self._room(s))):
                     trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
                 s.no_tree["no drafter sent a tree in time" if asked and self._asks(s, choice)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from tqdm import tqdm
@@ -135,16 +135,16 @@ class Engine:
         if mode == Mode.SEQUENCE:
             expansion = [1] * len(expansion)
         used = {Mode.INCREMENTAL: [], Mode.SEQUENCE: ssms[:1], Mode.TREE: ssms[:1], Mode.MERGED: list(ssms)}[mode]
-        self.speculating = mode != Mode.INCREMENTAL
-        self.adaptive = adaptive and self.speculating
-        self.expansion = expansion
+        speculating = mode != Mode.INCREMENTAL
+        adaptive, lookup = adaptive and speculating, lookup and speculating
+        # each request's expansion: the server's, chosen per step (None), the whole config, or none
+        self.own_expansion = None if adaptive else expansion if speculating else []
         self.verifier = Verifier(llm, graphs=graphs)
-        lookup = lookup and self.speculating
         self.engine = SpeculativeEngine(
             LocalVerifier(self.verifier),
             [LocalDrafter(Speculator(m, graphs=graphs), i, replacement) for i, m in enumerate(used)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
-            SpeculationController(lookup=lookup) if self.adaptive else None, lookup, lookup_tokens)
+            SpeculationController(lookup=lookup) if adaptive else None, lookup, lookup_tokens)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -152,9 +152,7 @@ class Engine:
         ids = [r.id or str(i) for i, r in enumerate(requests)]
         if len(set(ids)) != len(ids):
             raise ValueError("id: request ids must be unique")
-        own = None if self.adaptive else self.expansion if self.speculating else []
-        seqs = [Sequence(Request(r.prompt, r.max_new_tokens, r.sampling, r.stop_token_ids, r.ignore_eos, i), own)
-                for r, i in zip(requests, ids)]
+        seqs = [Sequence(replace(r, id=i), self.own_expansion) for r, i in zip(requests, ids)]
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
         try:
             asyncio.get_running_loop()
