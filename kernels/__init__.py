@@ -14,12 +14,12 @@ import os
 
 import torch
 
-from .batch import Capacity, Needs, RequestView, TreeBatch, to_device
+from .batch import Capacity, Needs, RequestView, Staging, TreeBatch
 from .fused import add_rms_norm_reference, rotary_qkv_reference, silu_mul_reference
 from .reference import tree_attention_reference
 
-__all__ = ["Capacity", "Needs", "RequestView", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "rotary_qkv",
-           "rotary_qkv_reference", "silu_mul", "silu_mul_reference", "to_device", "tree_attention",
+__all__ = ["Capacity", "Needs", "RequestView", "Staging", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "rotary_qkv",
+           "rotary_qkv_reference", "silu_mul", "silu_mul_reference", "tree_attention",
            "tree_attention_reference"]
 
 BACKENDS = ("auto", "triton", "reference")

@@ -15,18 +15,21 @@ may see key slot j of its request when
 `tree_bits` packs each query's row of the tree's ancestor-or-self matrix into int32 words, so a
 tree of any size costs ceil(n / 32) words per query, not a dense [queries, keys] mask.
 
-The batch is laid out with plain Python lists on the host and all its tensors reach the device
-in one copy (`to_device`), so building it dispatches the same few ops whatever the number of
-requests. With a `Capacity` the tensors have fixed shapes instead (what a captured CUDA graph
-reads): unused request slots are empty, and the last slot owns the padding queries, which see no
-key and write their own K/V into a block no request holds.
+The batch is laid out on the host with numpy, vectorized over queries (per request, only its block
+table and its tree rows are read), into one flat int32 buffer (`Staging`), and reaches the device
+in one copy, so building it dispatches no torch op that grows with the number of requests. With a
+`Capacity` the fields have fixed shapes instead (what a captured CUDA graph reads): unused request
+slots are empty, and the last slot owns the padding queries, which see no key and write their own
+K/V into a block no request holds.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -56,9 +59,19 @@ class Needs:
     words: int
 
     @classmethod
-    def of(cls, requests: list[RequestView]) -> "Needs":
-        return cls(sum(r.n_queries for r in requests), len(requests), max((len(r.blocks) for r in requests), default=0),
-                   max(1, max((math.ceil((r.first + r.n_queries - r.tree_start) / 32) for r in requests), default=1)))
+    def of(cls, requests: list[RequestView], scalars: np.ndarray | None = None) -> "Needs":
+        """`scalars`: `request_scalars(requests)`, when the caller has them already."""
+        n_blocks, first, n_com, tree_start, n_tree = (request_scalars(requests) if scalars is None else scalars).T
+        end = first + n_com + n_tree
+        return cls(int((n_com + n_tree).sum()), len(requests), int(n_blocks.max(initial=0)),
+                   max(1, int((-(-(end - tree_start) // 32)).max(initial=1))))
+
+
+def request_scalars(requests: list[RequestView]) -> np.ndarray:
+    """[B, 5] int64, per request: its blocks, first, n_committed, tree_start and new tree nodes."""
+    values = itertools.chain.from_iterable([(len(r.blocks), r.first, r.n_committed, r.tree_start, len(r.tree_rows))
+                                            for r in requests])
+    return np.fromiter(values, dtype=np.int64, count=5 * len(requests)).reshape(-1, 5)
 
 
 @dataclass(frozen=True)
@@ -79,38 +92,93 @@ class Capacity:
                 and needs.words <= self.words)
 
 
-Fields = dict[str, tuple[list[int], tuple[int, ...]]]  # name -> (flat int values, shape)
+Shapes = dict[str, tuple[int, ...]]  # field name -> shape, in buffer order
+ALIGN = 4  # int32 values: fields start at multiples of 16 bytes
 
 
-def to_device(fields: Fields, device: torch.device | str, out: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Every field as an int32 tensor on `device`, all of them views of one buffer filled by one
-    host-to-device copy: a new buffer, or `out` (a persistent one: the same fields with the same
-    shapes then land at the same addresses every time)."""
-    flat = [v for values, _ in fields.values() for v in values]
-    host = torch.tensor(flat, dtype=torch.int32)
-    if out is None:
-        buf = host.to(device, non_blocking=True)
-    else:
-        if out.numel() < len(flat):
-            raise ValueError(f"static buffer: {len(flat)} values do not fit {out.numel()}")
-        buf = out[: len(flat)]
-        buf.copy_(host, non_blocking=True)
-    parts = buf.split([len(values) for values, _ in fields.values()])  # one op for every field's view
-    views = {}
-    for part, (name, (values, shape)) in zip(parts, fields.items()):
-        assert len(values) == math.prod(shape), (name, len(values), shape)
-        views[name] = part.view(shape)
-    return views
+class Staging:
+    """Named int32 fields laid out in one flat buffer: written on the host as numpy arrays, read on
+    the device as tensor views. On the CPU both are the same memory, so nothing is copied. On a GPU,
+    `send` copies the given ranges host-to-device.
+    - persistent (a graph's inputs): the host side is pinned, the device side is allocated once, and
+      its views keep their addresses; each range is one asynchronous copy. An event guards the host
+      side: `host()` waits until the previous send has been read before it may be written again.
+    - otherwise (one step's): pageable host memory and a fresh device buffer, filled by one copy.
+    """
+
+    def __init__(self, shapes: Shapes, device: torch.device | str, persistent: bool = True):
+        self.device = torch.device(device)
+        sizes = [math.prod(shape) for shape in shapes.values()]
+        starts = itertools.accumulate([0, *sizes[:-1]], lambda at, n: at + -(-n // ALIGN) * ALIGN)
+        self.offsets = dict(zip(shapes, starts))  # every field 16-byte aligned, as Triton specializes on it
+        self.total = list(self.offsets.values())[-1] + sizes[-1]
+        cuda = self.device.type == "cuda"
+        if cuda and persistent:
+            self._host = torch.zeros(self.total, dtype=torch.int32, pin_memory=True)
+            flat = self._host.numpy()
+        else:  # from numpy: no torch op (a per-step staging dispatches nothing on the CPU)
+            flat = np.zeros(self.total, dtype=np.int32)
+            self._host = torch.from_numpy(flat)
+        self.arrays = {name: flat[o: o + n].reshape(shape) for (name, shape), o, n in
+                       zip(shapes.items(), self.offsets.values(), sizes)}
+        self.shapes, self.persistent, self._event = shapes, persistent, None
+        self._device = torch.zeros(self.total, dtype=torch.int32, device=self.device) if cuda else self._host
+        self._views = {name: self._device[o: o + n].view(shape) for (name, shape), o, n in
+                       zip(shapes.items(), self.offsets.values(), sizes)}  # made once: their addresses never change
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The host arrays, once the last send has read them."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self.arrays
+
+    def send(self, ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Copy the flat ranges [start, end) of the host buffer to the device (a non-persistent
+        staging copies all of it); the fields as device tensors."""
+        if self._device is not self._host:
+            for a, b in ranges:
+                if b > a:  # from pinned memory: asynchronous; from pageable memory the host waits
+                    self._device[a:b].copy_(self._host[a:b], non_blocking=self.persistent)
+            if self.persistent:
+                self._event = torch.cuda.Event()
+                self._event.record()
+        return self._views
+
+    def span(self, name: str, rows: int) -> tuple[int, int]:
+        """The flat range of field `name`'s first `rows` rows."""
+        shape = self.shapes[name]
+        return self.offsets[name], self.offsets[name] + rows * math.prod(shape[1:])
 
 
-def _words(row: int, words: int) -> list[int]:
-    """An ancestor row as `words` int32 words; bit t of word w is tree slot 32 * w + t."""
-    out = []
-    for _ in range(words):
-        w = row & 0xFFFFFFFF
-        out.append(w - (1 << 32) if w >= 1 << 31 else w)
-        row >>= 32
-    return out
+def batch_shapes(queries: int, requests: int, words: int, blocks: int) -> Shapes:
+    """A tree batch's fields, in buffer order: the tree bits and block tables last (the large ones:
+    only their used rows are sent)."""
+    return {"causal": (queries,), "write_blocks": (queries,), "write_offsets": (queries,),
+            "query_requests": (queries,), "seq_lens": (requests,), "tree_starts": (requests,),
+            "q_starts": (requests + 1,), "tree_bits": (queries, words), "block_tables": (max(requests, 1), blocks)}
+
+
+def _as_words(rows: list[int], words: int) -> np.ndarray:
+    """Ancestor rows (Python ints) as [len(rows), words] int32; bit t of word w is tree slot 32 w + t."""
+    chunks = (words + 1) // 2
+    mask = (1 << 64) - 1
+    wide = np.empty((len(rows), chunks), dtype=np.uint64)
+    wide[:, 0] = np.fromiter((r & mask for r in rows) if chunks > 1 else rows, dtype=np.uint64, count=len(rows))
+    for c in range(1, chunks):  # trees of more than 64 nodes
+        wide[:, c] = np.fromiter(((r >> (64 * c)) & mask for r in rows), dtype=np.uint64, count=len(rows))
+    return wide.view(np.int32)[:, :words]  # little-endian: each uint64 is (low word, high word)
+
+
+@dataclass(frozen=True)
+class Queries:
+    """A packed batch's queries, as the host knows them (numpy arrays [N])."""
+
+    owner: np.ndarray  # its request
+    local: np.ndarray  # its index among its request's queries
+    slot: np.ndarray  # the KV slot it writes, in its request
+    committed: np.ndarray  # bool: a new committed token (else a tree node)
+    depth: np.ndarray  # a tree node's depth (a child of the root: 1); 0 for a committed token
 
 
 @dataclass
@@ -130,9 +198,10 @@ class TreeBatch:
     max_queries: int  # queries of one request, at most
     max_seq_len: int  # keys of one request, at most
     has_tree: bool  # whether any query may see a tree slot
-    # the batch's facts on the host, for the reference (which runs where there is no graph)
-    host_q_starts: list[int] = field(repr=False)
-    host_seq_lens: list[int] = field(repr=False)
+    # the batch's facts on the host (views of the staged arrays, valid for this step), for the
+    # reference (which runs where there is no graph)
+    host_q_starts: np.ndarray = field(repr=False)
+    host_seq_lens: np.ndarray = field(repr=False)
     # tensors derived from the batch alone (index and mask tensors), made once per forward pass and
     # shared by all its layers; see `derived`
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
@@ -145,68 +214,81 @@ class TreeBatch:
         return self._derived[key]
 
     @staticmethod
-    def fields(requests: list[RequestView], block_size: int, capacity: Capacity | None = None,
-               needs: Needs | None = None) -> tuple[Fields, dict]:
-        """The batch's tensors as host lists (see `to_device`) and its host-side facts. `needs`:
-        `Needs.of(requests)`, when the caller has it already."""
-        q_starts, seq_lens, starts, causal, slots_b, slots_o, bits, owner = [0], [], [], [], [], [], [], []
-        needs = needs or Needs.of(requests)
-        words, width = needs.words, max(1, needs.blocks)
+    def shapes(needs: Needs, capacity: Capacity | None = None) -> Shapes:
+        """The fields' shapes for a batch with these needs, or padded to `capacity`."""
         if capacity is not None:
-            if not capacity.fits(needs):
-                raise ValueError(f"tree batch: {needs} exceed the capacity {capacity}")
-            words, width = capacity.words, capacity.blocks
-        for b, r in enumerate(requests):
-            end = r.first + r.n_queries
-            if math.ceil(end / block_size) > len(r.blocks):
-                raise ValueError(f"tree batch: {end} slots do not fit {len(r.blocks)} blocks of {block_size}")
-            if r.n_committed and r.first + r.n_committed > r.tree_start:
-                raise ValueError("tree batch: new committed tokens must lie before the tree")
-            q_starts.append(q_starts[-1] + r.n_queries)
-            seq_lens.append(end)
-            starts.append(r.tree_start)
-            causal += [s + 1 for s in range(r.first, r.first + r.n_committed)] + [r.tree_start] * len(r.tree_rows)
-            slots = range(r.first, end)
-            slots_b += [r.blocks[s // block_size] for s in slots]
-            slots_o += [s % block_size for s in slots]
-            bits += [0] * (words * r.n_committed) + [w for row in r.tree_rows for w in _words(row, words)]
-            owner += [b] * r.n_queries
-        tables = [x for r in requests for x in r.blocks + [0] * (width - len(r.blocks))]
-        has_tree = any(r.first + r.n_queries > r.tree_start for r in requests)
-        max_queries = max((b - a for a, b in zip(q_starts, q_starts[1:])), default=0)
-        max_seq_len = max(seq_lens, default=0)
+            return batch_shapes(capacity.queries, capacity.requests, capacity.words, capacity.blocks)
+        return batch_shapes(needs.queries, needs.requests, needs.words, max(1, needs.blocks))
+
+    @staticmethod
+    def pack(requests: list[RequestView], scalars: np.ndarray, block_size: int, out: dict[str, np.ndarray],
+             capacity: Capacity | None = None) -> tuple[dict, "Queries"]:
+        """Write the batch's fields into the host arrays `out` (shaped by `shapes`), vectorized over
+        queries: per request only its block table and tree rows are read. Returns the attention
+        batch's host facts and what the host knows of each query."""
+        n_blocks, first, n_com, tree_start, n_tree = scalars.T
+        n_q = n_com + n_tree
+        end = first + n_q
+        if (end > n_blocks * block_size).any():
+            b = int(np.argmax(end > n_blocks * block_size))
+            raise ValueError(f"tree batch: {end[b]} slots do not fit {n_blocks[b]} blocks of {block_size}")
+        if ((first + n_com > tree_start) & (n_com > 0)).any():
+            raise ValueError("tree batch: new committed tokens must lie before the tree")
+        B, n = len(requests), int(n_q.sum())
+        q_starts = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n_q, out=q_starts[1:])
+        owner = np.repeat(np.arange(B), n_q)
+        local = np.arange(n) - q_starts[owner]
+        slot = first[owner] + local
+        committed = local < n_com[owner]
+        tables = out["block_tables"]
+        if B:
+            flat = np.fromiter(itertools.chain.from_iterable(r.blocks for r in requests), dtype=np.int32,
+                               count=int(n_blocks.sum()))
+            row = np.repeat(np.arange(B), n_blocks)
+            tables[row, np.arange(flat.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)] = flat
+        out["causal"][:n] = np.where(committed, slot + 1, tree_start[owner])
+        out["write_blocks"][:n] = tables[owner, slot // block_size]
+        out["write_offsets"][:n] = slot % block_size
+        out["query_requests"][:n] = owner
+        bits = out["tree_bits"]
+        bits[:n] = 0
+        rows = list(itertools.chain.from_iterable(r.tree_rows for r in requests))
+        depth = np.zeros(n, dtype=np.int64)
+        if rows:  # only the words the largest tree uses; the rest stay zero
+            words = _as_words(rows, int(-(-(end - tree_start).max() // 32)))
+            tree = np.flatnonzero(~committed)
+            bits[tree, : words.shape[1]] = words
+            depth[tree] = np.bitwise_count(words.view(np.uint32)).sum(1)  # ancestors and itself
+        seq_lens, starts = out["seq_lens"], out["tree_starts"]
+        seq_lens[:B], starts[:B], out["q_starts"][: B + 1] = end, tree_start, q_starts
+        has_tree = bool(np.any(end > tree_start))
+        max_queries, max_seq_len = int(n_q.max(initial=0)), int(end.max(initial=0))
         if capacity is not None:  # empty slots, then the padding request: no keys, writes to the trash block
-            n, pad = q_starts[-1], capacity.queries - q_starts[-1]
-            empty = capacity.requests - 1 - len(requests)
-            q_starts += [n] * empty + [capacity.queries]
-            seq_lens += [0] * (empty + 1)
-            starts += [0] * (empty + 1)
-            causal += [0] * pad
-            slots_b += [capacity.trash_block] * pad
-            slots_o += [i % block_size for i in range(pad)]
-            bits += [0] * (words * pad)
-            owner += [capacity.requests - 1] * pad
-            tables += [0] * (width * (empty + 1))
+            pad = capacity.queries - n
+            out["causal"][n:] = 0
+            out["write_blocks"][n:] = capacity.trash_block
+            out["write_offsets"][n:] = np.arange(pad) % block_size
+            out["query_requests"][n:] = capacity.requests - 1
+            seq_lens[B:], starts[B:] = 0, 0
+            out["q_starts"][B + 1:] = n
+            out["q_starts"][-1] = capacity.queries
             has_tree, max_queries, max_seq_len = True, capacity.queries, capacity.blocks * block_size
-        n_req, n_q = len(seq_lens), len(causal)
-        if not n_req:  # an empty batch still has a block table row
-            tables = [0] * width
-        fields = {
-            "block_tables": (tables, (max(n_req, 1), width)), "seq_lens": (seq_lens, (n_req,)),
-            "tree_starts": (starts, (n_req,)), "q_starts": (q_starts, (n_req + 1,)), "causal": (causal, (n_q,)),
-            "tree_bits": (bits, (n_q, words)), "write_blocks": (slots_b, (n_q,)), "write_offsets": (slots_o, (n_q,)),
-            "query_requests": (owner, (n_q,)),
-        }
         host = dict(max_queries=max_queries, max_seq_len=max_seq_len, has_tree=has_tree,
-                    host_q_starts=q_starts, host_seq_lens=seq_lens)
-        return fields, host
+                    host_q_starts=out["q_starts"], host_seq_lens=seq_lens)
+        return host, Queries(owner, local, slot, committed, depth)
 
     @classmethod
     def build(cls, requests: list[RequestView], block_size: int, device: torch.device | str = "cpu",
               capacity: Capacity | None = None) -> "TreeBatch":
         """Lay the batch out on the host and copy it to the device in one copy."""
-        fields, host = cls.fields(requests, block_size, capacity)
-        return cls.from_device(to_device(fields, device), block_size, host)
+        scalars = request_scalars(requests)
+        needs = Needs.of(requests, scalars)
+        if capacity is not None and not capacity.fits(needs):
+            raise ValueError(f"tree batch: {needs} exceed the capacity {capacity}")
+        staging = Staging(cls.shapes(needs, capacity), device, persistent=False)
+        host, _ = cls.pack(requests, scalars, block_size, staging.host(), capacity)
+        return cls.from_device(staging.send([(0, staging.total)]), block_size, host)
 
     @classmethod
     def from_device(cls, tensors: dict[str, torch.Tensor], block_size: int, host: dict) -> "TreeBatch":

@@ -51,12 +51,13 @@ def _plan(batch: TreeBatch):
     [B, M], the mask [B, 1, M, L]); None when no query is real. This batch's own sizes, not a
     capacity's bounds: the reference never runs inside a graph. A padded batch's empty slots and
     padding request (no keys) come last; their rows stay zeros."""
-    live = sum(1 for n in batch.host_seq_lens if n > 0)
-    n_real = batch.host_q_starts[live]
+    seq_lens, q_starts = batch.host_seq_lens.tolist(), batch.host_q_starts.tolist()
+    live = sum(1 for n in seq_lens if n > 0)
+    n_real = q_starts[live]
     if n_real == 0:
         return None
-    qs = batch.host_q_starts[: live + 1]
-    B, L, M = live, max(batch.host_seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
+    qs = q_starts[: live + 1]
+    B, L, M = live, max(seq_lens, default=0), max(b - a for a, b in zip(qs, qs[1:]))
     device = batch.causal.device
     tables = batch.block_tables[:B, : math.ceil(L / batch.block_size)].long().flatten()
     owner = batch.query_requests[:n_real].long()

@@ -124,7 +124,9 @@ def _merge(acc, m, l, o_s, lse_s):
     return acc * alpha[:, None] + o_s * beta[:, None], m_new, l * alpha + beta
 
 
-@triton.jit
+# Integers that change from step to step in an eager step (a padded step's are the capacity's) are
+# never specialized on, so a new batch never compiles a new variant (tests/test_specialization.py).
+@triton.jit(do_not_specialize=["split_len", "stride_os", "stride_ls", "stride_ln", "stride_bt"])
 def _prefix_kernel(
     Q, K, V, O, LSE,
     tile_request, tile_row,
@@ -164,7 +166,7 @@ def _prefix_kernel(
             tl.store(LSE + split * stride_ls + qi * stride_ln + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words", "n_splits", "stride_ps", "stride_ls", "stride_bt"])
 def _tree_kernel(
     Q, K, V, O, PO, PLSE,
     tile_request, tile_row,

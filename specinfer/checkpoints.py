@@ -41,6 +41,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA (tensor cores) and float32 elsewhere (this project's CPUs have no
+    fast bf16 products); otherwise one of DTYPES by name."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[name]
+
+
 def models_dir() -> Path:
     """The repository's models/ (beside the packages), or $SPECINFER_MODELS."""
     return Path(os.environ.get("SPECINFER_MODELS", Path(__file__).resolve().parent.parent / "models"))

@@ -3,12 +3,17 @@
 A `StepRunner` runs one model's forward passes over one KV pool. Sizes are buckets of total
 tokens, four per doubling (1, 2, 3, ... 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ... `max_tokens`),
 so padding costs at most a quarter of a step; each bucket has a `Capacity` (its tokens, up to `max_batch`
-requests, block tables `max_context` tokens wide, trees of up to `max_tree` nodes) and one
-persistent int32 device buffer holding every per-step input: token ids, positions, KV write
-slots, block tables, query offsets, causal limits, ancestor bits, the rows that reach the LM head.
-A step that fits a bucket is laid out on the host padded to that capacity and lands in the
-bucket's buffer in one host-to-device copy; then the bucket's graph, captured at start-up over
-that buffer, is replayed, and the step's logits are the first R rows of the graph's output.
+requests, block tables `max_context` tokens wide, trees of up to `max_tree` nodes), a bound on the
+rows that reach the LM head (its tokens, at most `max_rows`: a long prefill chunk wants few) and one
+persistent int32 buffer (`Staging`: pinned on the host, fixed addresses on the device) holding
+every per-step input: token ids, positions, KV write slots, block tables, query offsets, causal
+limits, ancestor bits, the rows that reach the LM head. A step that fits a bucket is laid out on
+the host padded to that capacity (vectorized with numpy) and its used part lands in the bucket's
+device buffer in two asynchronous copies; then the bucket's graph, captured at start-up over that
+buffer, is replayed, and the step's logits are the first R rows of the graph's output. All graphs
+of a process share one memory pool (`graph_pool`); start-up prints the time compiling and
+capturing took. Triton keeps compiled kernels in $TRITON_CACHE_DIR (the containers put it on a
+volume), so a restart compiles nothing.
 Padding queries see no key and write their own K/V into a block reserved for them. A step that
 fits no bucket runs eagerly (`eager_steps` counts them).
 
@@ -19,16 +24,18 @@ eager elsewhere). The model file stays the plain definition; this module only fe
 
 from __future__ import annotations
 
+import bisect
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from specinfer_kernels import Capacity, backend
+from specinfer_kernels import Capacity, Staging, backend
 
 from .kv_cache import KVPool
-from .model import Layout, LlamaModel, StepInput
+from .model import Layout, LlamaModel, Step, StepInput
 
 MODES = ("auto", "graphs", "static", "eager")
 
@@ -36,10 +43,11 @@ MODES = ("auto", "graphs", "static", "eager")
 @dataclass(frozen=True)
 class GraphConfig:
     mode: str = "auto"
-    max_tokens: int = 256  # the largest bucket; a step with more tokens runs eagerly
+    max_tokens: int = 2048  # the largest bucket; a step with more tokens runs eagerly
     max_batch: int = 64  # requests per step, at most, in a graph
     max_tree: int = 512  # tree nodes per request (scratch tree included), at most, in a graph
     max_context: int = 4096  # slots per request, at most, in a graph
+    max_rows: int = 1344  # rows that reach the LM head, at most, in a graph: 64 requests verifying 20-node trees
 
     def resolve(self, device: torch.device) -> str:
         """The mode a model on `device` runs in."""
@@ -68,8 +76,23 @@ def bucket_sizes(max_tokens: int) -> list[int]:
 @dataclass
 class _Bucket:
     capacity: Capacity
-    buffer: torch.Tensor  # every per-step input, int32
+    rows: int  # LM-head rows
+    staging: Staging  # every per-step input, int32, at fixed device addresses
     graph: torch.cuda.CUDAGraph | None = None
+
+    def fits(self, layout: Layout) -> bool:
+        return self.capacity.fits(layout.needs) and layout.n_rows <= self.rows
+
+
+_POOLS: dict[torch.device, tuple] = {}  # one graph memory pool per device, shared by every runner of the process
+
+
+def graph_pool(device: torch.device) -> tuple:
+    """The process's graph memory pool on `device`: graphs replay one at a time on one thread, so
+    all of them (every bucket of every model) can share their intermediate memory."""
+    if device not in _POOLS:
+        _POOLS[device] = torch.cuda.graph_pool_handle()
+    return _POOLS[device]
 
 
 class StepRunner:
@@ -82,40 +105,49 @@ class StepRunner:
         self.graph_bytes = 0  # device memory the captured graphs hold
         self.logits: torch.Tensor | None = None  # [max_tokens, V]: every graph writes its logits here
         self.eager_steps = 0  # steps that fit no bucket
+        self.capture_s = 0.0  # compiling the kernels, warming up and capturing, at start
+        self.sizes: list[int] = []  # the buckets' tokens, ascending
         if self.mode == "eager":
             return
         trash = pool.reserve()  # the padding queries' K/V land here; no request ever holds it
         blocks = math.ceil(config.max_context / pool.block_size)
         for size in bucket_sizes(config.max_tokens):
             cap = Capacity(size, min(size, config.max_batch) + 1, blocks, math.ceil(config.max_tree / 32), trash)
-            n = sum(len(values) for values, _ in self._empty().fields(cap)[0].values())
-            self.buckets.append(_Bucket(cap, torch.zeros(n, dtype=torch.int32, device=model.device)))
+            rows = min(size, config.max_rows)
+            self.buckets.append(_Bucket(cap, rows, Staging(self._empty().shapes(cap, rows), model.device)))
+        self.sizes = [b.capacity.queries for b in self.buckets]
         if self.mode == "graphs":
+            start = time.perf_counter()
             self._capture(progress)
+            self.capture_s = time.perf_counter() - start
 
     def _empty(self) -> Layout:
-        return Layout(self.pool, [], [], [], [])
+        return Layout(self.pool, [], [])
 
     def _capture(self, progress: bool) -> None:
         """Capture every bucket's graph, largest first, all in one memory pool, after running each
-        bucket eagerly on a side stream (compiling the kernels, warming cuBLAS)."""
+        bucket eagerly on a side stream (compiling the kernels, warming cuBLAS); on the model's
+        device, whichever device is current."""
+        with torch.cuda.device(self.model.device):
+            self._capture_here(progress)
+
+    def _capture_here(self, progress: bool) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for bucket in tqdm(self.buckets, desc="warming up", disable=not progress):
                 for _ in range(2):
-                    self.model.run(self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer))
+                    self.model.run(self.model.step(self._empty(), capacity=bucket.capacity, staging=bucket.staging))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
-        self.logits = torch.empty(self.buckets[-1].capacity.queries, self.model.cfg.vocab_size, device=self.model.device)
-        mempool = torch.cuda.graph_pool_handle()
+        self.logits = torch.empty(self.buckets[-1].rows, self.model.cfg.vocab_size, device=self.model.device)
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
-            step = self.model.step(self._empty(), capacity=bucket.capacity, out=bucket.buffer)
+            step = self.model.step(self._empty(), capacity=bucket.capacity, staging=bucket.staging)
             bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph, pool=mempool):
-                self.logits[: bucket.capacity.queries].copy_(self.model.run(step))
+            with torch.cuda.graph(bucket.graph, pool=graph_pool(self.model.device)):
+                self.logits[: bucket.rows].copy_(self.model.run(step))
         torch.cuda.synchronize()
         self.graph_bytes = torch.cuda.memory_reserved() - before
 
@@ -126,7 +158,20 @@ class StepRunner:
         sizes = f"{self.buckets[0].capacity.queries}..{self.buckets[-1].capacity.queries} tokens"
         if self.mode == "static":
             return f"static buffers for {len(self.buckets)} sizes ({sizes}), no graphs"
-        return f"{len(self.buckets)} CUDA graphs ({sizes}) holding {self.graph_bytes / 2**20:.1f} MiB"
+        return (f"{len(self.buckets)} CUDA graphs ({sizes}) holding {self.graph_bytes / 2**20:.1f} MiB, "
+                f"compiled and captured in {self.capture_s:.1f} s")
+
+    def prepare(self, items: list[StepInput], ids: torch.Tensor | None = None) -> tuple[Step, _Bucket | None, int]:
+        """The host's part of a forward: extend the caches, lay the batch out into the bucket's
+        staging (or a fresh one) and send it. Returns the step, its bucket (None: eager) and its
+        LM-head rows. (specinfer_bench.host times this.)"""
+        layout = self.model.layout(items)
+        first = bisect.bisect_left(self.sizes, layout.needs.queries)  # the smallest bucket with room for its tokens
+        bucket = next((b for b in self.buckets[first:] if b.fits(layout)), None)
+        if bucket is None:
+            self.eager_steps += 1
+            return self.model.step(layout, ids), None, layout.n_rows
+        return self.model.step(layout, ids, bucket.capacity, bucket.staging), bucket, layout.n_rows
 
     def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay
@@ -134,14 +179,8 @@ class StepRunner:
         that keeps them across steps must clone them."""
         if self.mode == "eager":
             return self.model(items, ids)
-        layout = self.model.layout(items)
-        bucket = next((b for b in self.buckets if b.capacity.fits(layout.needs)), None)
-        if bucket is None:
-            self.eager_steps += 1
-            return self.model.run(self.model.step(layout, ids))
-        step = self.model.step(layout, ids, bucket.capacity, bucket.buffer)
-        rows = len(layout.wanted)
-        if bucket.graph is None:
+        step, bucket, rows = self.prepare(items, ids)
+        if bucket is None or bucket.graph is None:
             return self.model.run(step)[:rows]
         bucket.graph.replay()
         return self.logits[:rows]

@@ -19,12 +19,14 @@ tree nodes every committed slot plus their own ancestors and themselves.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import weakref
 
 import torch
 
-from .tree import TokenTree, ancestor_bits
+from .tree import TokenTree
 
 BLOCK_SIZE = 16
 POOL_TOKENS = 65536  # default pool size in token slots
@@ -99,7 +101,6 @@ class KVCache:
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
-        self.tree_depths: list[int] = []  # a child of the root has depth 1
         self.tree_rows: list[int] = []  # per tree node, its ancestor-or-self row (tree.ancestor_bits)
 
     @property
@@ -136,30 +137,30 @@ class KVCache:
         """Committed tokens whose K/V are not here yet."""
         return self.tokens[self.length :]
 
-    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, list[int], list[int]]:
+    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, list[int]]:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole
-        scratch tree, earlier nodes included). Returns the first slot written, the queries'
-        positions (n_new + len(tree_tokens) of them), and the new nodes' ancestor-or-self rows over
-        the whole scratch tree (bit v: tree node v)."""
-        n_old_tree = len(self.tree)
-        if n_new and n_old_tree:
+        scratch tree, earlier nodes included). Returns the first slot written and the new nodes'
+        ancestor-or-self rows over the whole scratch tree (bit v: tree node v; a node's depth is
+        its row's bit count). Each node's row is kept, so a tree grown level by level costs one
+        step per new node."""
+        n_old = len(self.tree.tokens)
+        if n_new and n_old:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
-        for i, p in enumerate(tree_parents):  # checked before anything changes
-            if not -1 <= p < n_old_tree + i:
-                raise ValueError(f"kv cache: tree parent {p} of node {n_old_tree + i} out of range")
-        first = self.slots
-        self._reserve(first + n_new + len(tree_tokens))
+        # checked before anything changes: -1 <= p < n_old + i, i.e. p - i < n_old
+        if tree_parents and (min(tree_parents) < -1 or max(map(operator.sub, tree_parents, itertools.count())) >= n_old):
+            i, p = next((i, p) for i, p in enumerate(tree_parents) if not -1 <= p < n_old + i)
+            raise ValueError(f"kv cache: tree parent {p} of node {n_old + i} out of range")
+        first = self.length + n_old
+        end = first + n_new + len(tree_tokens)
+        if end > len(self.blocks) * self.pool.block_size:
+            self._reserve(end)
         self.length += n_new
-        depths = []
-        for t, p in zip(tree_tokens, tree_parents):
-            d = 1 if p < 0 else self.tree_depths[p] + 1
-            self.tree.tokens.append(t)
-            self.tree.parents.append(p)
-            self.tree_depths.append(d)
-            depths.append(d)
-        self.tree_rows = ancestor_bits(self.tree.parents, self.tree_rows)
-        positions = list(range(self.length - n_new, self.length)) + [self.length - 1 + d for d in depths]
-        return first, positions, self.tree_rows[n_old_tree:]
+        self.tree.tokens += tree_tokens
+        self.tree.parents += tree_parents
+        rows = self.tree_rows
+        for u, p in enumerate(tree_parents, n_old):
+            rows.append(rows[p] | 1 << u if p >= 0 else 1 << u)
+        return first, rows[n_old:]
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""
@@ -177,7 +178,7 @@ class KVCache:
         return move
 
     def drop_tree(self) -> None:
-        self.tree, self.tree_depths, self.tree_rows = TokenTree(), [], []
+        self.tree, self.tree_rows = TokenTree(), []
 
     def matching_path(self, tokens: list[int]) -> list[int]:
         """The longest chain of tree nodes from the root whose tokens are a prefix of `tokens`."""

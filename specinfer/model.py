@@ -11,9 +11,9 @@ A batch is flattened over requests (no padding): projections and MLPs run once o
 per layer, the new tokens' keys and values are written into the paged KV pool and one
 tree-attention call (the Triton kernel on CUDA, its PyTorch reference elsewhere) covers the whole
 batch. Only the rows asked for reach the LM head, and their logits stay on the model's device.
-The batch's layout (token ids, positions, KV slots, masks) is built with plain lists on the host
-and copied to the device in one copy, so the ops a forward dispatches do not grow with the
-number of requests. The model knows nothing about trees beyond the mask and positions its caches
+The batch's layout (token ids, positions, KV slots, masks) is built on the host with numpy,
+vectorized over queries, and reaches the device in one copy, so the ops a forward dispatches do
+not grow with the number of requests. The model knows nothing about trees beyond the mask and positions its caches
 hand it, and nothing about sampling.
 """
 
@@ -27,14 +27,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
-from specinfer_kernels import (Capacity, Needs, RequestView, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
-                               to_device, tree_attention)
-from specinfer_kernels.batch import Fields
+from specinfer_kernels import (Capacity, Needs, RequestView, Staging, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
+                               tree_attention)
+from specinfer_kernels.batch import Shapes, request_scalars
 
 from .checkpoints import checkpoint_dir
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
@@ -120,7 +121,7 @@ class StepInput:
     tree_tokens: list[int]  # draft nodes to add to the cache's scratch tree
     tree_parents: list[int]  # their parents, indexing the whole scratch tree (-1: the root)
 
-    @property
+    @functools.cached_property
     def n_rows(self) -> int:
         """Rows of this item in the forward's logits: the last new committed token's (if any), then
         one per new tree node."""
@@ -239,24 +240,43 @@ class Layout:
 
     pool: KVPool
     tokens: list[int]  # [N] the new committed tokens and tree nodes, item by item
-    positions: list[int]  # [N]
     views: list[RequestView]  # what attention needs to know per item
-    wanted: list[int]  # [R] the rows that reach the LM head, item by item
+
+    @functools.cached_property
+    def scalars(self) -> np.ndarray:
+        return request_scalars(self.views)
 
     @functools.cached_property
     def needs(self) -> Needs:
         """What a capacity must hold for this batch."""
-        return Needs.of(self.views)
+        return Needs.of(self.views, self.scalars)
 
-    def fields(self, capacity: Capacity | None = None) -> tuple[Fields, dict]:
-        """Everything the device needs, as int32 fields for `to_device`, padded to `capacity` (its
-        `queries` also bound the wanted rows), and the attention batch's host facts."""
-        fields, host = TreeBatch.fields(self.views, self.pool.block_size, capacity, self.needs)
-        n, r = len(self.tokens), len(self.wanted)
-        pad, pad_rows = (capacity.queries - n, capacity.queries - r) if capacity else (0, 0)
-        fields |= {"ids": (self.tokens + [0] * pad, (n + pad,)), "positions": (self.positions + [0] * pad, (n + pad,)),
-                   "wanted": (self.wanted + [0] * pad_rows, (r + pad_rows,))}
-        return fields, host
+    @functools.cached_property
+    def n_rows(self) -> int:
+        """Rows that reach the LM head: per item its last new committed token's (if any) and its tree nodes'."""
+        return int((self.scalars[:, 2] > 0).sum() + self.scalars[:, 4].sum())
+
+    def shapes(self, capacity: Capacity | None = None, rows: int = 0) -> Shapes:
+        """The step's int32 fields (see `Staging`): its own, then the attention batch's; padded to
+        `capacity` and to `rows` rows for the LM head."""
+        n, rows = (capacity.queries, rows) if capacity else (len(self.tokens), self.n_rows)
+        return {"ids": (n,), "positions": (n,), "wanted": (rows,), **TreeBatch.shapes(self.needs, capacity)}
+
+    def stage(self, staging: Staging, capacity: Capacity | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """Write every field into `staging`'s host arrays (vectorized, see `TreeBatch.pack`), send
+        what is used to the device, and return the device fields and the attention batch's host facts."""
+        out = staging.host()
+        host, q = TreeBatch.pack(self.views, self.scalars, self.pool.block_size, out, capacity)
+        n = len(self.tokens)
+        # a committed token's position is its slot; a tree node's, committed length - 1 + its depth
+        out["positions"][:n] = np.where(q.committed, q.slot, self.scalars[q.owner, 3] - 1 + q.depth)
+        wanted = np.flatnonzero(q.local >= np.maximum(self.scalars[:, 2] - 1, 0)[q.owner])
+        out["ids"][:n], out["wanted"][: len(wanted)] = self.tokens, wanted
+        if capacity is None:
+            return staging.send([(0, staging.total)]), host
+        out["ids"][n:], out["positions"][n:], out["wanted"][len(wanted):] = 0, 0, 0
+        bits_end = staging.span("tree_bits", n)[1]
+        return staging.send([(0, bits_end), staging.span("block_tables", len(self.views))]), host
 
 
 @dataclass
@@ -365,12 +385,14 @@ class LlamaModel(nn.Module):
         return self.step(self.layout(items), ids)
 
     def step(self, layout: Layout, ids: torch.Tensor | None = None, capacity: Capacity | None = None,
-             out: torch.Tensor | None = None) -> Step:
-        """A laid-out batch on the device, in one copy: into a new buffer, or padded to `capacity`
-        into the persistent buffer `out` (see `to_device`). ids: the token ids [N] already on the
-        device, instead of the layout's (a speculator's next level, drawn on the device)."""
-        fields, host = layout.fields(capacity)
-        step = Step.from_device(to_device(fields, self.device, out), layout.pool, host)
+             staging: Staging | None = None) -> Step:
+        """A laid-out batch on the device, in one copy: through a new buffer, or padded to
+        `capacity` through its persistent `staging` (see `Staging`). ids: the token ids [N] already
+        on the device, instead of the layout's (a speculator's next level, drawn on the device)."""
+        if staging is None:
+            staging = Staging(layout.shapes(capacity), self.device, persistent=False)
+        tensors, host = layout.stage(staging, capacity)
+        step = Step.from_device(tensors, layout.pool, host)
         if ids is not None:
             assert ids.shape == (len(layout.tokens),), (ids.shape, len(layout.tokens))
             if capacity is None:
@@ -383,17 +405,13 @@ class LlamaModel(nn.Module):
         """Extend every item's cache and lay the batch out on the host."""
         pool = items[0].cache.pool
         assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
-        tokens, positions, views, wanted = [], [], [], []
+        tokens, views = [], []
         for it in items:
-            first, pos, tree_rows = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
-            n = len(it.new_tokens) + len(it.tree_tokens)
-            offset = len(tokens)
+            first, tree_rows = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
             tokens += it.new_tokens
             tokens += it.tree_tokens
-            positions += pos
             views.append(RequestView(it.cache.blocks, first, len(it.new_tokens), it.cache.length, tree_rows))
-            wanted += range(offset + len(it.new_tokens) - 1 if it.new_tokens else offset, offset + n)
-        return Layout(pool, tokens, positions, views, wanted)
+        return Layout(pool, tokens, views)
 
     @torch.no_grad()
     def run(self, step: Step) -> torch.Tensor:

@@ -21,9 +21,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
 
-from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, same_tokenizer,
-                                   served_ssms)
+from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, resolve_dtype,
+                                   same_tokenizer, served_ssms)
 from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
@@ -64,7 +65,7 @@ def texts_for_server(llm, records: list[dict]) -> list[str]:
 @functools.cache
 def load_model(ref, dtype: str) -> LlamaModel:
     """A model loaded once per process (--compare-off runs the LLM twice)."""
-    return LlamaModel.from_pretrained(ref, dtype=DTYPES[dtype])
+    return LlamaModel.from_pretrained(ref, dtype=resolve_dtype(dtype, torch.device("cpu")))
 
 
 def add_request_flags(p: argparse.ArgumentParser) -> None:
@@ -104,7 +105,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", type=Path, action="append", default=None,
                    help="SSM checkpoint, repeatable (default: the default LLM's drafters in models/smollm2; "
                         "serve: SSM 0 alone, merged with the manager's context lookup)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="generate runs on the CPU (auto: float32); serve: auto is bfloat16 on CUDA, float32 on the CPU")
 
 
 def load_engine(args, mode: str) -> Engine:

@@ -137,7 +137,7 @@ def wait_healthy(what: str, serving, timeout: float) -> None:
 
 
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
-           dtype: str = "float32", manager_args: list[str] = (), verifier_args: list[str] = (),
+           dtype: str = "auto", manager_args: list[str] = (), verifier_args: list[str] = (),
            timeout: float = 120.0, log_dir: Path | None = None, service_args: list[str] = (),
            credentials: grpc.ChannelCredentials | None = None, http_port: int | None = None,
            ssl_context: ssl.SSLContext | None = None) -> System:

@@ -20,12 +20,18 @@ import torch
 T = TypeVar("T")
 
 
+def _settle(threads: int, device: torch.device) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class ModelThread:
-    def __init__(self, name: str, threads: int = 0):
-        """threads: torch CPU threads (0: torch's default), set on the model thread itself."""
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name,
-                                           initializer=torch.set_num_threads if threads else None,
-                                           initargs=(threads,) if threads else ())
+    def __init__(self, name: str, threads: int = 0, device: torch.device = torch.device("cpu")):
+        """threads: torch CPU threads (0: torch's default); device: the models' device (made
+        current on CUDA); both set on the model thread itself."""
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_settle, initargs=(threads, device))
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """Run fn on the model thread and wait for it (startup: loading, warm-up)."""

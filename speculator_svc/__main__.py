@@ -9,7 +9,7 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DTYPES, resolve_device, same_tokenizer, served_ssms
+from specinfer.checkpoints import resolve_device, resolve_dtype, same_tokenizer, served_ssms
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -32,7 +32,7 @@ class SpeculatorConfig(ModelServerConfig):
 
 def build(cfg: SpeculatorConfig) -> list[Speculator]:
     device = resolve_device(cfg.device)
-    models = [LlamaModel.from_pretrained(d, dtype=DTYPES[cfg.dtype], device=device) for d in cfg.ssm]
+    models = [LlamaModel.from_pretrained(d, dtype=resolve_dtype(cfg.dtype, device), device=device) for d in cfg.ssm]
     try:
         for d in cfg.ssm[1:]:
             same_tokenizer(cfg.ssm[0], d)
@@ -48,7 +48,7 @@ def build(cfg: SpeculatorConfig) -> list[Speculator]:
 async def main(cfg: SpeculatorConfig) -> None:
     if not cfg.ssm:
         raise SystemExit("speculator: no SSM given (--ssm)")
-    thread = ModelThread("speculator", cfg.threads)
+    thread = ModelThread("speculator", cfg.threads, resolve_device(cfg.device))
     servicer = SpeculatorServicer(thread.call(build, cfg), [Path(d).name for d in cfg.ssm], thread)
     service = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
     await serve("speculator", cfg, [(speculator_pb2_grpc.add_SpeculatorServicer_to_server, servicer, service)])

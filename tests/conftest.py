@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors in Triton's interpreter; this must be set before anything
     # imports triton (transformers' model classes do)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The services that tests start run on the CPU in float32 (--device auto would pick a GPU and bf16),
+# because their outputs are compared with the LLM run here in process, on the CPU: greedy equality
+# holds on one device and dtype. The CUDA path is checked against itself (test_graphs, test_kernels,
+# test_fused, test_kv_cache run on the GPU when there is one).
+os.environ.setdefault("SPECINFER_DEVICE", "cpu")
 
 from transformers import LlamaConfig, LlamaForCausalLM
 

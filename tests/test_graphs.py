@@ -31,6 +31,7 @@ from specinfer_bench.kernel import random_tree
 from .conftest import MODELS
 from .test_device_steps import same_tree
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's kernels: CUDA, or the interpreter on the CPU
 STATIC = GraphConfig(mode="static", max_tokens=64, max_batch=4, max_tree=64, max_context=256)
 
 
@@ -51,10 +52,10 @@ def padded_steps(model: LlamaModel, monkeypatch) -> list[int]:
     """Record the capacity (its token count) of every step `model` lays out padded."""
     seen, step = [], model.step
 
-    def spy(layout, ids=None, capacity=None, out=None):
+    def spy(layout, ids=None, capacity=None, staging=None):
         if capacity is not None:
             seen.append(capacity.queries)
-        return step(layout, ids, capacity, out)
+        return step(layout, ids, capacity, staging)
     monkeypatch.setattr(model, "step", spy)
     return seen
 
@@ -104,10 +105,13 @@ def test_static_buffers_give_the_eager_trees_for_speculator_drafts(heldout_ids, 
 
 
 def test_static_buffers_with_the_triton_kernels_give_the_reference_logits(tiny_pair, monkeypatch):
-    """Tree attention and the fused layer kernels in Triton's interpreter, over padded buffers."""
+    """Tree attention and the fused layer kernels over padded buffers, on the device where the
+    kernels run: a GPU, or the CPU under Triton's interpreter (conftest.py)."""
     _, llm_dir, _ = tiny_pair
-    llm = LlamaModel.from_pretrained(llm_dir)
+    llm = LlamaModel.from_pretrained(llm_dir, device=DEVICE)
     prompts = [[5, 9, 2, 7, 1], [3, 3], [8, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11]]
+    monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "reference")
+    monkeypatch.setenv("SPECINFER_FUSED", "reference")
     want = verifier_steps(llm, GraphConfig(mode="eager"), prompts)
     monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "triton")
     monkeypatch.setenv("SPECINFER_FUSED", "triton")
@@ -149,7 +153,7 @@ def test_a_step_of_padding_only_writes_nothing_a_request_holds():
     verifier.pool.k[:, bucket.capacity.trash_block] = 0  # the prefill's padding wrote there already
     before = verifier.pool.k.clone()
     layout = verifier.run._empty()
-    logits = llm.run(llm.step(layout, capacity=bucket.capacity, out=bucket.buffer))
+    logits = llm.run(llm.step(layout, capacity=bucket.capacity, staging=bucket.staging))
     changed = (verifier.pool.k != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # blocks
     # ssm-0 drafts from its draft vocabulary: its other tokens' logits are -inf by design
     assert torch.isfinite(logits[:, llm.vocab_ids]).all() and changed == [bucket.capacity.trash_block]

@@ -9,7 +9,7 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DEFAULT_LLM, DTYPES, resolve_device
+from specinfer.checkpoints import DEFAULT_LLM, resolve_device, resolve_dtype
 from specinfer.model import LlamaModel
 from specinfer.verifier import Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -35,7 +35,8 @@ class VerifierConfig(ModelServerConfig):
 
 
 def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
-    dtype, device = DTYPES[cfg.dtype], resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.tp * cfg.pp > 1:
         verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
                                     cfg.dist_timeout)
@@ -48,7 +49,7 @@ def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
 
 
 async def main(cfg: VerifierConfig) -> None:
-    thread = ModelThread("verifier", cfg.threads)
+    thread = ModelThread("verifier", cfg.threads, resolve_device(cfg.device))
     verifier = thread.call(build, cfg)
     servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout, thread)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name

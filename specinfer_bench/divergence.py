@@ -1,0 +1,97 @@
+"""Exactness per dtype: greedy output with speculation against the same engine without it.
+
+In float32, greedy output with speculation is identical to the LLM alone (the tests assert it). In
+bfloat16 a speculative step computes a position with other row counts, another split of the
+attention sum (prefix and tree parts, merged) and K/V that were moved rather than recomputed, so
+where the LLM's two best logits nearly tie, the argmax can differ from a plain step's. That is the
+contract vLLM and SGLang keep too; this measures how often it bites: per prompt, the share of
+positions whose token equals the incremental engine's (positions up to the shorter output), and
+the first position where they differ.
+
+    python -m specinfer_bench.divergence --out bench/results/divergence_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specinfer.checkpoints import DEFAULT_LLM, DTYPES, default_prompts, default_ssms, resolve_device
+from specinfer.generate import Engine, Mode, Request
+from specinfer.graphs import GraphConfig
+from specinfer.model import LlamaModel
+from specinfer.prompts import read_prompt_file
+
+from .inprocess import load_prompt_ids
+from .report import command_line, machine
+
+
+def compare(plain: list[int], spec: list[int]) -> tuple[float, int | None]:
+    """(share of identical tokens over the shorter output, first differing position or None)."""
+    n = min(len(plain), len(spec))
+    first = next((i for i in range(n) if plain[i] != spec[i]), None if len(plain) == len(spec) else n)
+    return (sum(a == b for a, b in zip(plain, spec)) / n if n else 1.0), first
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llm", default=DEFAULT_LLM)
+    ap.add_argument("--ssm", type=Path, action="append", default=None, help="repeatable (default: the default drafters)")
+    ap.add_argument("--prompt-file", type=Path, default=default_prompts())
+    ap.add_argument("--prompts", type=int, default=8, help="first N prompts of the file")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    ssm_dirs = args.ssm or default_ssms()
+    prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file)[: args.prompts])
+    requests = [Request(p, args.max_new_tokens) for p in prompts]
+    rows = []
+    for name in tqdm(args.dtypes.split(","), desc="dtypes"):
+        dtype = DTYPES[name]
+        llm = LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device)
+        ssms = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssm_dirs]
+        outputs = {}
+        for mode in (Mode.INCREMENTAL, Mode.MERGED):
+            engine = Engine(llm, ssms, mode, graphs=GraphConfig(), adaptive=mode != Mode.INCREMENTAL)
+            outputs[mode] = [g.token_ids for g in engine.generate(requests)]
+        for i, (plain, spec) in enumerate(zip(outputs[Mode.INCREMENTAL], outputs[Mode.MERGED])):
+            share, first = compare(plain, spec)
+            rows.append({"dtype": name, "prompt": i, "tokens": len(plain), "identical_share": round(share, 4),
+                         "first_divergence": first})
+        del llm, ssms
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    meta = {"command": command_line("python -m specinfer_bench.divergence", argv), "machine": machine(),
+            "device": str(device), "llm": str(args.llm), "ssms": [str(d) for d in ssm_dirs],
+            "max_new_tokens": args.max_new_tokens}
+    summary = {}
+    for name in args.dtypes.split(","):
+        mine = [r for r in rows if r["dtype"] == name]
+        summary[name] = {"identical_prompts": sum(r["first_divergence"] is None for r in mine), "prompts": len(mine),
+                         "identical_share": round(sum(r["identical_share"] for r in mine) / len(mine), 4)}
+        print(name, summary[name])
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+        lines = [f"`{meta['command']}` on {meta['machine']}, device {device}", "",
+                 "Greedy output of merged-SSM speculation (the controller's trees) against the same engine "
+                 f"without speculation, {args.max_new_tokens} new tokens per prompt.", "",
+                 "| dtype | prompts identical | identical tokens (mean share) |", "| --- | --- | --- |"]
+        lines += [f"| {k} | {v['identical_prompts']} / {v['prompts']} | {v['identical_share']:.1%} |"
+                  for k, v in summary.items()]
+        lines += ["", "| dtype | prompt | tokens | identical share | first divergence |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['dtype']} | {r['prompt']} | {r['tokens']} | {r['identical_share']:.1%} | "
+                  f"{'-' if r['first_divergence'] is None else r['first_divergence']} |" for r in rows]
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
