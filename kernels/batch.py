@@ -106,7 +106,9 @@ class Staging:
     - otherwise (one step's): pageable host memory and a fresh device buffer, filled by one copy.
     """
 
-    def __init__(self, shapes: Shapes, device: torch.device | str, persistent: bool = True):
+    def __init__(self, shapes: Shapes, device: torch.device | str, persistent: bool = True, mirror: bool | None = None):
+        """mirror: the device side is a buffer of its own, filled only by `send` (default: on a
+        GPU; tests mirror on the CPU to check that what is sent is enough)."""
         self.device = torch.device(device)
         sizes = [math.prod(shape) for shape in shapes.values()]
         starts = itertools.accumulate([0, *sizes[:-1]], lambda at, n: at + -(-n // ALIGN) * ALIGN)
@@ -122,7 +124,8 @@ class Staging:
         self.arrays = {name: flat[o: o + n].reshape(shape) for (name, shape), o, n in
                        zip(shapes.items(), self.offsets.values(), sizes)}
         self.shapes, self.persistent, self._event = shapes, persistent, None
-        self._device = torch.zeros(self.total, dtype=torch.int32, device=self.device) if cuda else self._host
+        self.mirror = cuda if mirror is None else mirror
+        self._device = torch.zeros(self.total, dtype=torch.int32, device=self.device) if self.mirror else self._host
         self._views = {name: self._device[o: o + n].view(shape) for (name, shape), o, n in
                        zip(shapes.items(), self.offsets.values(), sizes)}  # made once: their addresses never change
 
@@ -136,11 +139,11 @@ class Staging:
     def send(self, ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
         """Copy the flat ranges [start, end) of the host buffer to the device (a non-persistent
         staging copies all of it); the fields as device tensors."""
-        if self._device is not self._host:
+        if self.mirror:
             for a, b in ranges:
                 if b > a:  # from pinned memory: asynchronous; from pageable memory the host waits
                     self._device[a:b].copy_(self._host[a:b], non_blocking=self.persistent)
-            if self.persistent:
+            if self.persistent and self.device.type == "cuda":
                 self._event = torch.cuda.Event()
                 self._event.record()
         return self._views

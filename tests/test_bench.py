@@ -149,3 +149,39 @@ def test_services_configs_name_their_options_and_refuse_unknown_ones():
     assert flags[flags.index("--tree-budget") + 1] == "16" and "--no-adaptive" in flags and "--no-context-lookup" in flags
     with pytest.raises(ValueError, match="unknown option"):
         manager_flags("2,1,1@16@fast", "v:1", ["s:2"])
+
+
+def test_host_benchmark_times_every_role_batch_and_tree_through_the_buckets(tmp_path):
+    out = tmp_path / "host"
+    proc = subprocess.run([sys.executable, "-m", "specinfer_bench.host", "--batches", "1,3", "--trees", "0,5",
+                           "--repeats", "3", "--prompt-len", "20", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["role"], r["batch"], r["tree_nodes"]) for r in rows] == [
+        (role, b, t) for b in (1, 3) for role, t in (("verify", 0), ("verify", 5), ("draft", 16))]
+    assert all(0 < r["host_us"] < 1e6 and 0 < r["host_us_after_forward"] < 1e6 for r in rows)
+    # each request's bonus token plus its tree, padded to the next bucket up; a draft's two levels
+    assert [r["buckets"] for r in rows] == [[1], [6], [1, 4], [3], [20], [3, 12]]
+
+
+def test_divergence_benchmark_finds_float32_identical(tmp_path):
+    """float32 greedy with speculation is identical to the same engine without it (the share is
+    computed, not assumed: the same comparison reports bf16's flips)."""
+    out = tmp_path / "divergence"
+    proc = subprocess.run([sys.executable, "-m", "specinfer_bench.divergence", "--llm", str(MODELS / "llm"),
+                           "--ssm", str(MODELS / "ssm-0"), "--prompt-file", str(MODELS / "heldout_prompts.jsonl"),
+                           "--prompts", "3", "--max-new-tokens", "24", "--dtypes", "float32", "--device", "cpu",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["summary"]["float32"] == {"identical_prompts": 3, "prompts": 3, "identical_share": 1.0}
+    assert [r["tokens"] for r in data["rows"]] == [24] * 3
+
+
+def test_divergence_compares_position_by_position():
+    from specinfer_bench.divergence import compare
+
+    assert compare([1, 2, 3], [1, 2, 3]) == (1.0, None)
+    assert compare([1, 2, 3, 4], [1, 9, 3, 4]) == (0.75, 1)
+    assert compare([1, 2], [1, 2, 5]) == (1.0, 2)  # one stopped earlier: they differ where it stopped
