@@ -10,6 +10,9 @@ their log-sum-exp:
    head side by side in the M dimension, so each prefix K/V block is read once per tile for all
    of them, with only a causal compare for a mask. Long prefixes with few rows (decoding) are
    split across programs (flash-decoding); each split leaves its partial output and log-sum-exp.
+   The launch has the most splits any request may use; how many a request uses (each at least
+   MIN_SPLIT keys) is planned on the device from its real prefix length (`_splits_of`), so a
+   request of 100 tokens in a bucket sized for 4096 is one split, and the rest return at once.
 2. `_tree_kernel`, grid (tiles, KV heads): the same tiles over the tree slots [tree_start,
    seq_len) with the ancestor bits, then the merge: the tile's own partial state and every prefix
    split's are folded into the output (`_merge`). When a batch has no tree and one split, the
@@ -114,6 +117,15 @@ def _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, tree_start,
 
 
 @triton.jit
+def _splits_of(prefix, n_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """A request's plan for its prefix of `prefix` keys, from its real length on the device: how
+    many of the launch's `n_splits` key splits it uses (each at least MIN_SPLIT keys long, at least
+    one) and their length (whole BLOCK_N tiles). The other splits' programs return at once."""
+    used = tl.minimum(n_splits, tl.maximum(1, tl.cdiv(prefix, MIN_SPLIT)))
+    return used, tl.cdiv(tl.cdiv(prefix, used), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _merge(acc, m, l, o_s, lse_s):
     """Fold a normalized partial (output o_s, log2-sum-exp lse_s) into the state (acc, m, l): the
     partial counts as weight 2^lse_s at value o_s. Parts that saw no key (lse -inf) weigh nothing."""
@@ -126,12 +138,12 @@ def _merge(acc, m, l, o_s, lse_s):
 
 # Integers that change from step to step in an eager step (a padded step's are the capacity's) are
 # never specialized on, so a new batch never compiles a new variant (tests/test_specialization.py).
-@triton.jit(do_not_specialize=["split_len", "stride_os", "stride_ls", "stride_ln", "stride_bt"])
+@triton.jit(do_not_specialize=["n_splits", "stride_os", "stride_ls", "stride_ln", "stride_bt"])
 def _prefix_kernel(
     Q, K, V, O, LSE,
     tile_request, tile_row,
     block_tables, tree_starts, q_starts, causal,
-    scale_log2, split_len,
+    scale_log2, n_splits,
     stride_qn, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -140,19 +152,21 @@ def _prefix_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     b = tl.load(tile_request + tile)
-    if b >= 0:
+    prefix = tl.load(tree_starts + tl.maximum(b, 0))
+    used, split_len = _splits_of(prefix, n_splits, BLOCK_N, MIN_SPLIT)
+    if (b >= 0) & (split < used):
         qi, head, row_ok, io_mask, q = _tile_queries(Q, q_starts, tile_row, tile, b, kv_head, stride_qn, stride_qh,
                                                      GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST)
         d = tl.arange(0, BLOCK_D)
         limit = tl.load(causal + qi, mask=row_ok, other=0)
         lo = split * split_len
-        hi = tl.minimum(lo + split_len, tl.load(tree_starts + b))
+        hi = tl.minimum(lo + split_len, prefix)
         acc, m_i, l_i = _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, 0,
                                 K, V, block_tables, block_tables, 1, scale_log2,
                                 stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
@@ -181,6 +195,7 @@ def _tree_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -194,7 +209,8 @@ def _tree_kernel(
                                 K, V, block_tables, tree_bits, n_words, scale_log2,
                                 stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
                                 True, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IEEE, UPCAST)
-        for s in range(0, n_splits):
+        used, _ = _splits_of(tree_start, n_splits, BLOCK_N, MIN_SPLIT)
+        for s in range(0, used):  # the splits this request's prefix used
             o_s = tl.load(PO + s * stride_ps + qi[:, None] * stride_pn + head[:, None] * stride_ph + d[None, :],
                           mask=io_mask, other=0.0)
             lse_s = tl.load(PLSE + s * stride_ls + qi * stride_ln + head, mask=row_ok, other=float("-inf"))
@@ -235,19 +251,22 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _num_splits(programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
-    """Enough key splits to give every SM about two programs, each split at least 4 tiles long."""
+def _num_splits(programs: int, max_seq_len: int, min_split: int, device: torch.device) -> int:
+    """The most key splits a request's prefix may use: enough to give every SM about two programs,
+    each split at least `min_split` keys long. Which of them a request uses is planned on the
+    device from its real length (`_splits_of`), so a bucket's bound costs idle programs, not work."""
     if device.type != "cuda" or programs == 0:
         return 1
     sms = _sm_count(device)
-    return max(1, min(math.ceil(2 * sms / programs), math.ceil(max_seq_len / (4 * block_n)), 64))
+    return max(1, min(math.ceil(2 * sms / programs), math.ceil(max_seq_len / min_split), 64))
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
                           scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
     """Same contract as `tree_attention_reference`: q [N, Hq, D]; k_cache, v_cache
     [n_blocks, block_size, Hkv, D]. Returns [N, Hq, D] in q's dtype. `num_splits` overrides the
-    split of the prefix's key range (tests use it to cover the merge)."""
+    most splits of a prefix's key range, then at least one tile long each (tests use it to cover
+    the merge)."""
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
@@ -259,20 +278,20 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     scale = 1 / math.sqrt(d) if scale is None else scale
     block_m, block_n = _block_m(batch.max_queries * group), 64
     tile_request, tile_row = _tiles(batch, group, block_m)
-    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, block_n, q.device)
-    split_len = math.ceil(math.ceil(max(batch.max_seq_len, 1) / splits) / block_n) * block_n
+    min_split = block_n if num_splits else 4 * block_n
+    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split, q.device)
     direct = splits == 1 and not batch.has_tree
     o = out[None] if direct else torch.empty(splits, n_q, hq, d, dtype=torch.float32, device=q.device)
     lse = o if direct else torch.empty(splits, n_q, hq, dtype=torch.float32, device=q.device)
     common = dict(GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-                  BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                  BLOCK_M=block_m, BLOCK_N=block_n, MIN_SPLIT=min_split, IEEE=q.dtype == torch.float32,
                   UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     kv_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
                   v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
     _prefix_kernel[(len(tile_request), hkv, splits)](
         q, k_cache, v_cache, o, lse, tile_request, tile_row,
         batch.block_tables, batch.tree_starts, batch.q_starts, batch.causal,
-        scale * LOG2E, split_len,
+        scale * LOG2E, splits,
         q.stride(0), q.stride(1), *kv_strides,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         batch.block_tables.stride(0), DIRECT=direct, **common,
