@@ -137,14 +137,14 @@ class StepRunner:
         with torch.cuda.stream(side):
             for bucket in tqdm(self.buckets, desc="warming up", disable=not progress):
                 for _ in range(2):
-                    self.model.run(self.model.step(self._empty(), capacity=bucket.capacity, staging=bucket.staging))
+                    self.model.run(self.model.prepare(self._empty(), capacity=bucket.capacity, staging=bucket.staging))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         self.logits = torch.empty(self.buckets[-1].rows, self.model.cfg.vocab_size, device=self.model.device)
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
-            step = self.model.step(self._empty(), capacity=bucket.capacity, staging=bucket.staging)
+            step = self.model.prepare(self._empty(), capacity=bucket.capacity, staging=bucket.staging)
             bucket.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.graph, pool=graph_pool(self.model.device)):
                 self.logits[: bucket.rows].copy_(self.model.run(step))
@@ -170,8 +170,8 @@ class StepRunner:
         bucket = next((b for b in self.buckets[first:] if b.fits(layout)), None)
         if bucket is None:
             self.eager_steps += 1
-            return self.model.step(layout, ids), None, layout.n_rows
-        return self.model.step(layout, ids, bucket.capacity, bucket.staging), bucket, layout.n_rows
+            return self.model.prepare(layout, ids), None, layout.n_rows
+        return self.model.prepare(layout, ids, bucket.capacity, bucket.staging), bucket, layout.n_rows
 
     def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay

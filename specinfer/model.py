@@ -297,7 +297,13 @@ class Step:
 
 class LlamaModel(nn.Module):
     """The whole model, or one pipeline stage of it: `embed` and `head` say whether this part has
-    the embedding and the final norm + LM head; `cfg.num_layers` is the number of layers it has."""
+    the embedding and the final norm + LM head; `cfg.num_layers` is the number of layers it has.
+
+    A step is three calls: `layout(items)` on the host (extends the requests' caches and lays the
+    batch out), `prepare(layout, ...)` (stages it and sends it to the device, padded to a capacity
+    when a CUDA graph will read it) and `run(step)` on the device alone (what a graph captures).
+    `forward(items)` is the three in a row. A pipeline stage runs its part of `run` as
+    `run_layers` (this stage's layers) and, on the last stage, `logits`."""
 
     def __init__(self, cfg: ModelConfig, embed: bool = True, head: bool = True):
         super().__init__()
@@ -378,14 +384,10 @@ class LlamaModel(nn.Module):
         device): for each item in turn, its `n_rows` rows (see `row_starts`).
         ids: the batch's token ids [N] already on the device (new tokens and tree nodes, item by
         item), instead of the items' token lists (a speculator's next level, drawn on the device)."""
-        return self.run(self.prepare(items, ids))
+        return self.run(self.prepare(self.layout(items), ids))
 
-    def prepare(self, items: list[StepInput], ids: torch.Tensor | None = None) -> Step:
-        """Extend every item's cache, lay the batch out and copy it to the device in one copy."""
-        return self.step(self.layout(items), ids)
-
-    def step(self, layout: Layout, ids: torch.Tensor | None = None, capacity: Capacity | None = None,
-             staging: Staging | None = None) -> Step:
+    def prepare(self, layout: Layout, ids: torch.Tensor | None = None, capacity: Capacity | None = None,
+                staging: Staging | None = None) -> Step:
         """A laid-out batch on the device, in one copy: through a new buffer, or padded to
         `capacity` through its persistent `staging` (see `Staging`). ids: the token ids [N] already
         on the device, instead of the layout's (a speculator's next level, drawn on the device)."""

@@ -204,7 +204,7 @@ class PipelineVerifier(Verifier):
         chunks = [items[i * len(items) // n_micro:(i + 1) * len(items) // n_micro] for i in range(n_micro)]
         logits, sends = [], []
         for chunk in chunks:
-            step = model.prepare(chunk)
+            step = model.prepare(model.layout(chunk))
             if lay.first:
                 x = model.embed(step.ids)
             else:

@@ -50,13 +50,13 @@ class Recording(Verifier):
 
 def padded_steps(model: LlamaModel, monkeypatch) -> list[int]:
     """Record the capacity (its token count) of every step `model` lays out padded."""
-    seen, step = [], model.step
+    seen, prepare = [], model.prepare
 
     def spy(layout, ids=None, capacity=None, staging=None):
         if capacity is not None:
             seen.append(capacity.queries)
-        return step(layout, ids, capacity, staging)
-    monkeypatch.setattr(model, "step", spy)
+        return prepare(layout, ids, capacity, staging)
+    monkeypatch.setattr(model, "prepare", spy)
     return seen
 
 
@@ -153,7 +153,7 @@ def test_a_step_of_padding_only_writes_nothing_a_request_holds():
     verifier.pool.k[:, bucket.capacity.trash_block] = 0  # the prefill's padding wrote there already
     before = verifier.pool.k.clone()
     layout = verifier.run._empty()
-    logits = llm.run(llm.step(layout, capacity=bucket.capacity, staging=bucket.staging))
+    logits = llm.run(llm.prepare(layout, capacity=bucket.capacity, staging=bucket.staging))
     changed = (verifier.pool.k != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # blocks
     # ssm-0 drafts from its draft vocabulary: its other tokens' logits are -inf by design
     assert torch.isfinite(logits[:, llm.vocab_ids]).all() and changed == [bucket.capacity.trash_block]
