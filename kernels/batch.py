@@ -123,7 +123,8 @@ class Staging:
             self._host = torch.from_numpy(flat)
         self.arrays = {name: flat[o: o + n].reshape(shape) for (name, shape), o, n in
                        zip(shapes.items(), self.offsets.values(), sizes)}
-        self.shapes, self.persistent, self._event = shapes, persistent, None
+        self.shapes, self.persistent, self._pending = shapes, persistent, False
+        self._event = torch.cuda.Event() if cuda and persistent else None  # recorded after each send
         self.mirror = cuda if mirror is None else mirror
         self._device = torch.zeros(self.total, dtype=torch.int32, device=self.device) if self.mirror else self._host
         self._views = {name: self._device[o: o + n].view(shape) for (name, shape), o, n in
@@ -131,9 +132,9 @@ class Staging:
 
     def host(self) -> dict[str, np.ndarray]:
         """The host arrays, once the last send has read them."""
-        if self._event is not None:
+        if self._pending:
             self._event.synchronize()
-            self._event = None
+            self._pending = False
         return self.arrays
 
     def send(self, ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
@@ -143,9 +144,9 @@ class Staging:
             for a, b in ranges:
                 if b > a:  # from pinned memory: asynchronous; from pageable memory the host waits
                     self._device[a:b].copy_(self._host[a:b], non_blocking=self.persistent)
-            if self.persistent and self.device.type == "cuda":
-                self._event = torch.cuda.Event()
+            if self._event is not None:
                 self._event.record()
+                self._pending = True
         return self._views
 
     def span(self, name: str, rows: int) -> tuple[int, int]:

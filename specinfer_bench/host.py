@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import fixtures_dir
+from specinfer.checkpoints import fixtures_dir, resolve_device, resolve_dtype
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=200, help="each request's context")
     ap.add_argument("--llm", type=Path, default=fixtures_dir() / "llm")
     ap.add_argument("--ssm", type=Path, default=fixtures_dir() / "ssm-0")
+    ap.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda when there is a GPU)")
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    graphs = GraphConfig(mode="static")
-    llm, ssm = LlamaModel.from_pretrained(args.llm), LlamaModel.from_pretrained(args.ssm)
+    graphs = GraphConfig(mode="static")  # a graph's padded inputs, without capturing (the forward is skipped)
+    device = resolve_device(args.device)
+    llm, ssm = (LlamaModel.from_pretrained(d, resolve_dtype("auto", device), device) for d in (args.llm, args.ssm))
     verifier, speculator = Verifier(llm, 1 << 18, graphs), Speculator(ssm, kv_tokens=1 << 18, graphs=graphs)
     v_timer, s_timer = Timed(verifier.run), Timed(speculator.run)
     batches, trees = [int(x) for x in args.batches.split(",")], [int(x) for x in args.trees.split(",")]
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     figures[key] = round(us, 1)
                     bar.update()
                 rows.append({"role": role, "batch": b, "tree_nodes": nodes, **figures, "buckets": used})
-    meta = {"command": command_line("python -m specinfer_bench.host", argv), "machine": machine(),
+    meta = {"command": command_line("python -m specinfer_bench.host", argv), "machine": machine(), "device": str(device),
             "llm": str(args.llm), "ssm": str(args.ssm), "prompt_len": args.prompt_len, "repeats": args.repeats,
             "graphs": graphs.__dict__, "draft_expansion": DRAFT_EXPANSION}
     for r in rows:
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        lines = [f"`{meta['command']}` on {meta['machine']}", "",
+        lines = [f"`{meta['command']}` on {meta['machine']}, models on {device}", "",
                  "Host work per forward (extend the caches, lay out, stage, send), median microseconds of "
                  f"{args.repeats} forwards, requests with {args.prompt_len}-token contexts. Padded to the default "
                  "graph buckets (mode static) where one fits (bucket: its tokens), eager otherwise. A draft row is "

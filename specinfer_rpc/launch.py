@@ -39,6 +39,9 @@ class Service:
         return f"{self.http}://{self.address}"
 
 
+FRONT = ("gateway_svc", "manager_svc")  # what clients call; stopped before the services they call
+
+
 @dataclass
 class System:
     services: list[Service] = field(default_factory=list)
@@ -100,16 +103,22 @@ class System:
             wait_healthy(address, lambda: grpc_serving(address, self.credentials), timeout)
 
     def stop(self, grace: float = 30.0) -> None:
-        for s in reversed(self.services):
-            if s.process.poll() is None:
-                s.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for s in self.services:
-            try:
-                s.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                s.process.kill()
-                s.process.wait()
+        """SIGTERM the front (gateway, managers) first and wait for it to drain, then the back
+        (speculators, verifier): a backend then stops with no stream from a manager still open, so
+        its server never cancels a call that is just ending (gRPC logs that race as a traceback).
+        Each group gets `grace` seconds before it is killed."""
+        front = [s for s in self.services if s.module in FRONT]
+        for group in (front, [s for s in self.services if s.module not in FRONT]):
+            for s in reversed(group):
+                if s.process.poll() is None:
+                    s.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for s in group:
+                try:
+                    s.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    s.process.kill()
+                    s.process.wait()
 
 
 def grpc_serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> bool:
