@@ -62,6 +62,9 @@ class ManagerConfig(ServerConfig):
                                         "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")
     max_queue: int = option(256, "requests waiting beyond the batch; past it RESOURCE_EXHAUSTED")
+    max_unread_chunks: int = option(256, "chunks a stream may queue that its client has not read (beyond what gRPC "
+                                         "and the socket buffers hold); past it the request is cancelled and the "
+                                         "client gets RESOURCE_EXHAUSTED after the queued chunks (0: no cap)")
     max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset")
     max_new_tokens_cap: int = option(1024, "largest max_new_tokens accepted")
@@ -99,7 +102,7 @@ async def main(cfg: ManagerConfig) -> None:
                                lookup, cfg.lookup_tokens)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
-                          kv_block_size=max(vinfo.kv_block_size, 1))
+                          kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks)
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,

@@ -42,12 +42,17 @@ class Stream(Sequence):
     last_chunk: float = 0.0  # when its last chunk was produced (0: none yet)
 
 
+class SlowReader(Overloaded):
+    """A stream's client left too many chunks unread: the request was cancelled (RESOURCE_EXHAUSTED)."""
+
+
 class Scheduler:
     def __init__(self, engine: SpeculativeEngine, max_batch: int, max_queue: int, max_prefill_tokens: int,
-                 kv_tokens: int = 0, kv_block_size: int = 1):
+                 kv_tokens: int = 0, kv_block_size: int = 1, max_unread: int = 0):
         self.engine = engine
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.max_unread = max_unread  # chunks a stream may hold that its client has not read (0: no cap)
         self.max_prefill_tokens = max_prefill_tokens
         self.kv_tokens = kv_tokens  # verifier KV slots this manager may reserve (0: not limited)
         self.kv_block_size = kv_block_size
@@ -115,6 +120,11 @@ class Scheduler:
             metrics.record_step(event.tree or TokenTree(), len(event.tokens), event.accepted, first=s.steps == 1,
                                 since_last=now - (s.last_chunk or s.arrived))
             s.last_chunk = now
+            if self.max_unread and s.events.qsize() >= self.max_unread:
+                # what is queued stays for the client to read, then this status: its memory is bounded
+                self._fail(s, SlowReader(f"stream: the client left {s.events.qsize()} chunks unread "
+                                         f"(max_unread_chunks {self.max_unread}); the request was cancelled"))
+                continue
             s.events.put_nowait(event)
             if event.finish_reason:
                 metrics.E2E.observe(now - s.arrived)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from manager_svc.scheduler import Scheduler
+from manager_svc.scheduler import Scheduler, SlowReader
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
 from specinfer.engine import Request, SpeculativeEngine
 from specinfer.tree import TokenTree
@@ -125,3 +125,29 @@ def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
     assert asked >= len(controller.steps) - 1  # all but a last step with one token to go
     assert speculator.calls == 1 + asked  # and the prefill's iteration
     assert controller.acceptance[True].at(1) > 0.9 and controller.acceptance[False].reached == {}
+
+
+def test_a_stream_left_unread_past_the_cap_gets_its_chunks_then_resource_exhausted():
+    """A client that reads nothing: its stream queues at most max_unread chunks, then the request
+    is cancelled (its verifier state released) and the stream ends with SlowReader, which the
+    servicer answers RESOURCE_EXHAUSTED; a stream that is read is untouched."""
+    verifier = Verifier()
+    engine = SpeculativeEngine(verifier, [], eos=set(), expansion=[], tree_budget=None, controller=None,
+                               lookup=False, lookup_tokens=0)
+    scheduler = Scheduler(engine, max_batch=8, max_queue=8, max_prefill_tokens=4096, max_unread=3)
+    slow, read = (scheduler.submit(Request(p, 10), None) for p in PROMPTS)
+    got = []
+
+    async def go():
+        while scheduler.running or scheduler.waiting:
+            await scheduler.iteration()
+            while not read.events.empty():
+                got.extend(read.events.get_nowait().tokens)
+
+    asyncio.run(go())
+    events = [slow.events.get_nowait() for _ in range(slow.events.qsize())]
+    assert [len(e.tokens) for e in events[:3]] == [1, 1, 1] and isinstance(events[3], SlowReader)
+    assert len(events) == 4 and "3 chunks unread" in str(events[3])
+    # released on the verifier with the next step (the read stream's), not held while unread
+    assert slow.done and slow.kv_reserved == 0 and slow.id not in verifier.records and read.id in verifier.records
+    assert got == reference(PROMPTS[1], 10) and read.finish_reason == "length"
