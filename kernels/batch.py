@@ -17,7 +17,8 @@ tree of any size costs ceil(n / 32) words per query, not a dense [queries, keys]
 
 The batch is laid out on the host with numpy, vectorized over queries (per request, only its block
 table and its tree rows are read), into one flat int32 buffer (`Staging`), and reaches the device
-in one copy, so building it dispatches no torch op that grows with the number of requests. With a
+in one copy (two for a padded batch: only its used rows), so building it dispatches no torch op
+that grows with the number of requests. With a
 `Capacity` the fields have fixed shapes instead (what a captured CUDA graph reads): unused request
 slots are empty, and the last slot owns the padding queries, which see no key and write their own
 K/V into a block no request holds.
@@ -126,7 +127,8 @@ class Staging:
         self.shapes, self.persistent, self._pending = shapes, persistent, False
         self._event = torch.cuda.Event() if cuda and persistent else None  # recorded after each send
         self.mirror = cuda if mirror is None else mirror
-        self._device = torch.zeros(self.total, dtype=torch.int32, device=self.device) if self.mirror else self._host
+        make = torch.zeros if persistent else torch.empty  # a step's own buffer is sent whole
+        self._device = make(self.total, dtype=torch.int32, device=self.device) if self.mirror else self._host
         self._views = {name: self._device[o: o + n].view(shape) for (name, shape), o, n in
                        zip(shapes.items(), self.offsets.values(), sizes)}  # made once: their addresses never change
 
@@ -138,8 +140,8 @@ class Staging:
         return self.arrays
 
     def send(self, ranges: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Copy the flat ranges [start, end) of the host buffer to the device (a non-persistent
-        staging copies all of it); the fields as device tensors."""
+        """Copy the flat ranges [start, end) of the host buffer to the device (its caller sends a
+        step's own staging whole, a bucket's only what the step uses); the fields as device tensors."""
         if self.mirror:
             for a, b in ranges:
                 if b > a:  # from pinned memory: asynchronous; from pageable memory the host waits

@@ -103,7 +103,7 @@ class StepRunner:
         self.mode = config.resolve(model.device)
         self.buckets: list[_Bucket] = []
         self.graph_bytes = 0  # device memory the captured graphs hold
-        self.logits: torch.Tensor | None = None  # [max_tokens, V]: every graph writes its logits here
+        self.logits: torch.Tensor | None = None  # [the largest bucket's rows, V]: every graph writes its logits here
         self.eager_steps = 0  # steps that fit no bucket
         self.capture_s = 0.0  # compiling the kernels, warming up and capturing, at start
         self.sizes: list[int] = []  # the buckets' tokens, ascending
@@ -125,7 +125,7 @@ class StepRunner:
         return Layout(self.pool, [], [])
 
     def _capture(self, progress: bool) -> None:
-        """Capture every bucket's graph, largest first, all in one memory pool, after running each
+        """Capture every bucket's graph, largest first, in the process's graph pool, after running each
         bucket eagerly on a side stream (compiling the kernels, warming cuBLAS); on the model's
         device, whichever device is current."""
         with torch.cuda.device(self.model.device):

@@ -12,8 +12,8 @@ per layer, the new tokens' keys and values are written into the paged KV pool an
 tree-attention call (the Triton kernel on CUDA, its PyTorch reference elsewhere) covers the whole
 batch. Only the rows asked for reach the LM head, and their logits stay on the model's device.
 The batch's layout (token ids, positions, KV slots, masks) is built on the host with numpy,
-vectorized over queries, and reaches the device in one copy, so the ops a forward dispatches do
-not grow with the number of requests. The model knows nothing about trees beyond the mask and positions its caches
+vectorized over queries, and reaches the device in one copy (two when padded), so the ops a
+forward dispatches do not grow with the number of requests. The model knows nothing about trees beyond the mask and positions its caches
 hand it, and nothing about sampling.
 """
 
@@ -256,10 +256,11 @@ class Layout:
         """Rows that reach the LM head: per item its last new committed token's (if any) and its tree nodes'."""
         return int((self.scalars[:, 2] > 0).sum() + self.scalars[:, 4].sum())
 
-    def shapes(self, capacity: Capacity | None = None, rows: int = 0) -> Shapes:
+    def shapes(self, capacity: Capacity | None = None, rows: int | None = None) -> Shapes:
         """The step's int32 fields (see `Staging`): its own, then the attention batch's; padded to
-        `capacity` and to `rows` rows for the LM head."""
-        n, rows = (capacity.queries, rows) if capacity else (len(self.tokens), self.n_rows)
+        `capacity` and to `rows` rows for the LM head (default: one per query)."""
+        n = capacity.queries if capacity else len(self.tokens)
+        rows = rows if rows is not None else capacity.queries if capacity else self.n_rows
         return {"ids": (n,), "positions": (n,), "wanted": (rows,), **TreeBatch.shapes(self.needs, capacity)}
 
     def stage(self, staging: Staging, capacity: Capacity | None = None) -> tuple[dict[str, torch.Tensor], dict]:
