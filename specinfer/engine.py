@@ -132,6 +132,16 @@ class Sequence:
     def record(self) -> list[int]:
         return self.request.prompt + self.generated
 
+    @property
+    def length(self) -> int:
+        """len(record), without building it."""
+        return len(self.request.prompt) + len(self.generated)
+
+    def tokens_from(self, i: int) -> list[int]:
+        """record[i:], without building the whole record."""
+        prompt = self.request.prompt
+        return prompt[i:] + self.generated[max(0, i - len(prompt)):]
+
 
 @dataclass
 class Stats:
@@ -234,7 +244,7 @@ class SpeculativeEngine:
         batch = [s for s in batch if not s.done]
         if not batch:
             return []
-        checks = [Check(s.id, s.record[s.verifier_has:], len(s.record), trees.get(s.id, TokenTree()),
+        checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()),
                         s.request.sampling) for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
@@ -264,7 +274,7 @@ class SpeculativeEngine:
         return out
 
     def _commit(self, s: Sequence, tokens: list[int], tree: TokenTree | None, sources: dict[int, TokenTree]) -> Chunk:
-        s.verifier_has = len(s.record) + len(tokens)
+        s.verifier_has = s.length + len(tokens)
         s.steps += 1
         s.tree_steps += tree is not None
         before = len(s.generated)

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from .tree import TokenTree
+from .tree import TokenTree, ancestor_bits
 
 BLOCK_SIZE = 16
 POOL_TOKENS = 65536  # default pool size in token slots
@@ -142,7 +142,7 @@ class KVCache:
         scratch tree, earlier nodes included). Returns the first slot written and the new nodes'
         ancestor-or-self rows over the whole scratch tree (bit v: tree node v; a node's depth is
         its row's bit count). Each node's row is kept, so a tree grown level by level costs one
-        step per new node."""
+        step per new node (`tree.ancestor_bits`)."""
         n_old = len(self.tree.tokens)
         if n_new and n_old:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
@@ -157,10 +157,7 @@ class KVCache:
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents
-        rows = self.tree_rows
-        for u, p in enumerate(tree_parents, n_old):
-            rows.append(rows[p] | 1 << u if p >= 0 else 1 << u)
-        return first, rows[n_old:]
+        return first, ancestor_bits(self.tree.parents, self.tree_rows)[n_old:]
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""

@@ -96,13 +96,14 @@ def check_verifiable(tree: TokenTree) -> None:
                                  f"with positive probability in its q")
 
 
-def ancestor_bits(parents: list[int], known: list[int] = ()) -> list[int]:
+def ancestor_bits(parents: list[int], known: list[int] | None = None) -> list[int]:
     """Per node u, the topology-aware causal mask's row as an int: bit v is set iff v is u or an
-    ancestor of u. known: the rows of the first nodes, already computed (for a tree grown level by
-    level)."""
-    rows = list(known)
+    ancestor of u (so u's depth is the row's bit count). known: the rows of the first nodes, already
+    computed (a tree grown level by level, as a KV cache keeps it): extended in place and returned."""
+    rows = [] if known is None else known
     for u in range(len(rows), len(parents)):
-        rows.append((rows[parents[u]] if parents[u] >= 0 else 0) | (1 << u))
+        p = parents[u]
+        rows.append(rows[p] | 1 << u if p >= 0 else 1 << u)
     return rows
 
 
