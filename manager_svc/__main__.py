@@ -68,7 +68,7 @@ class ManagerConfig(ServerConfig):
     max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset")
     max_new_tokens_cap: int = option(1024, "largest max_new_tokens accepted")
-    verify_timeout: float = option(60.0, "seconds a Verify call may take before its requests fail UNAVAILABLE")
+    verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
     port: int = option(50051, "port to listen on (0: any free port)")

@@ -35,7 +35,9 @@ log = logging.getLogger("specinfer.manager")
 
 class VerifierClient:
     """Request ids on the verifier are this manager's own (a random prefix), so several managers
-    can share one verifier even when their clients choose the same ids."""
+    can share one verifier even when their clients choose the same ids. Steps go over one
+    long-lived VerifyStream, a request and its response each: a step pays no call set-up. A stream
+    that ended (an error, a restarted verifier) is replaced by the next step."""
 
     CONNECT_GRACE = 2.0  # seconds a call waits for a (re)connecting verifier before failing
 
@@ -46,6 +48,7 @@ class VerifierClient:
         self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.namespace = uuid.uuid4().hex[:12] + "/"
+        self.steps = None  # the VerifyStream call (None: the next step opens one)
 
     async def info(self, wait: float) -> verifier_pb2.VerifierInfo:
         """The verifier's model info, waiting up to `wait` seconds for it to come up."""
@@ -58,14 +61,33 @@ class VerifierClient:
             items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
                                            sampling=sampling_to_pb(c.sampling)) for c in batch])
-        await self._connected()
+        if self.steps is None or self.steps.done():
+            await self._connected()
+            self.steps = self.stub.VerifyStream()
+        steps = self.steps
         try:
-            response = await self.stub.Verify(request, timeout=self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await steps.write(request)
+                response = await steps.read()  # raises the stream's error status
+            if response is grpc.aio.EOF:
+                raise ConnectionError("the verifier ended the step stream")
         except grpc.aio.AioRpcError as e:
+            self._drop(steps)
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise VerifierLost(e.details()) from e
             raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
+        except asyncio.TimeoutError as e:
+            self._drop(steps)
+            raise VerifierUnavailable(f"verifier {self.address}: DEADLINE_EXCEEDED: no answer in {self.timeout}s") from e
+        except (asyncio.InvalidStateError, ConnectionError) as e:  # the stream ended before or without an answer
+            self._drop(steps)
+            raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
         return [list(r.token_ids) for r in response.results], response.step_ns
+
+    def _drop(self, steps) -> None:
+        steps.cancel()
+        if self.steps is steps:
+            self.steps = None
 
     async def _connected(self) -> None:
         """Give a verifier that is (re)starting a moment to accept the connection; one that is
@@ -88,6 +110,8 @@ class VerifierClient:
             raise VerifierUnavailable(f"verifier {self.address}: {e.code().name}: {e.details()}") from e
 
     async def close(self) -> None:
+        if self.steps is not None:
+            self.steps.cancel()
         await self.channel.close()
 
 
@@ -157,8 +181,9 @@ class SpeculatorClient:
                 request_id=d.request_id, new_token_ids=d.record[self.told.get(d.request_id, 0):],
                 expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter))
         try:
-            await asyncio.wait_for(self.call.write(request), self.timeout)
-            response = await asyncio.wait_for(self.call.read(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await self.call.write(request)
+                response = await self.call.read()
             if response is grpc.aio.EOF or response.iteration != self.iteration:
                 raise ConnectionError("stream ended or out of step")
             trees = {t.request_id: tree_from_pb(t.tree) for t in response.trees}

@@ -16,7 +16,7 @@ import logging
 
 import grpc
 
-from specinfer.engine import Draft
+from specinfer.engine import Draft, gather
 
 from .clients import SpeculatorClient
 from .discovery import LOOKUP_ERRORS, Target, resolve
@@ -101,7 +101,7 @@ class SpeculatorReplicas:
             replica = self._replica_for(d.request_id)
             if replica is not None:
                 by_replica.setdefault(replica, []).append(d)
-        answers = await asyncio.gather(*(r.draft(ds) for r, ds in by_replica.items()))
+        answers = await gather(*(r.draft(ds) for r, ds in by_replica.items()))
         self.draft_ns = max((r.draft_ns for r in by_replica if r.connected), default=0)
         return {rid: tree for answer in answers for rid, tree in answer.items()}
 

@@ -40,6 +40,11 @@ class Stream(Sequence):
     kv_reserved: int = 0  # verifier KV slots reserved while running
     arrived: float = field(default_factory=time.monotonic)  # when accepted
     last_chunk: float = 0.0  # when its last chunk was produced (0: none yet)
+    posted: int = 0  # events in the scheduler's outbox, not yet in `events`
+
+    @property
+    def unread(self) -> int:
+        return self.events.qsize() + self.posted
 
 
 class SlowReader(Overloaded):
@@ -60,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Stream] = deque()
         self.running: dict[str, Stream] = {}
         self.wake = asyncio.Event()
+        self.outbox: list[tuple[Stream, object]] = []  # events for the streams, delivered on the loop's next pass
 
     # -- called by the servicer -------------------------------------------------------------
     def submit(self, request: Request, expansion: list[int] | None, want_trees: bool = False) -> Stream:
@@ -120,12 +126,12 @@ class Scheduler:
             metrics.record_step(event.tree or TokenTree(), len(event.tokens), event.accepted, first=s.steps == 1,
                                 since_last=now - (s.last_chunk or s.arrived))
             s.last_chunk = now
-            if self.max_unread and s.events.qsize() >= self.max_unread:
+            if self.max_unread and s.unread >= self.max_unread:
                 # what is queued stays for the client to read, then this status: its memory is bounded
-                self._fail(s, SlowReader(f"stream: the client left {s.events.qsize()} chunks unread "
+                self._fail(s, SlowReader(f"stream: the client left {s.unread} chunks unread "
                                          f"(max_unread_chunks {self.max_unread}); the request was cancelled"))
                 continue
-            s.events.put_nowait(event)
+            self._post(s, event)
             if event.finish_reason:
                 metrics.E2E.observe(now - s.arrived)
                 self._retire(s, event.finish_reason)
@@ -167,6 +173,22 @@ class Scheduler:
             self.engine.release(seq.id)  # it may be in a verify call right now: released with the next
 
     def _fail(self, seq: Stream, error: Exception) -> None:
-        seq.events.put_nowait(error)
+        self._post(seq, error)
         self._retire(seq, "failed")
+
+    def _post(self, seq: Stream, event) -> None:
+        """Queue an event for its stream one pass of the event loop later. The loop runs its ready
+        work in order, and a gRPC call starts as a task of its own: so the next iteration's calls
+        to the speculators and the verifier start before the streams' writes to their clients,
+        which then overlap the step instead of delaying it."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._deliver)
+        self.outbox.append((seq, event))
+        seq.posted += 1
+
+    def _deliver(self) -> None:
+        outbox, self.outbox = self.outbox, []
+        for seq, event in outbox:
+            seq.posted -= 1
+            seq.events.put_nowait(event)
 

@@ -35,6 +35,13 @@ from .tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tr
 MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
 
 
+async def gather(*aws) -> list:
+    """asyncio.gather, except that one awaitable is awaited in place rather than as a task of its
+    own: it then runs before whatever the event loop already has ready (the manager's stream writes),
+    not after it."""
+    return [await aws[0]] if len(aws) == 1 else await asyncio.gather(*aws)
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -226,7 +233,7 @@ class SpeculativeEngine:
                 await self.verifier.release(ids)
             except VerifierUnavailable:
                 pass  # a verifier that is down holds nothing
-        await asyncio.gather(*(d.flush() for d in self.drafters))
+        await gather(*(d.flush() for d in self.drafters))
 
     # -- the iteration ----------------------------------------------------------------------
     async def iteration(self, batch: list[Sequence]) -> list[tuple[Sequence, Chunk | Exception]]:
@@ -353,7 +360,7 @@ class SpeculativeEngine:
                 s.no_tree["no drafters configured"] += 1
             return {}, {}, {}, (0, 0)
         asked = [d for s, d in drafting if self._asks(s, choice)] if self.drafters else []
-        answers = (await asyncio.gather(*(d.draft(asked) for d in self.drafters)) if asked
+        answers = (await gather(*(d.draft(asked) for d in self.drafters)) if asked
                    else [{}] * len(self.drafters))  # context lookup alone: no drafter asked
         merged, sources = {}, {}
         for s, d in drafting:

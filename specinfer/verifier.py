@@ -57,6 +57,8 @@ class Verifier:
         self.pool.check_room(need)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
+        if not batch:  # e.g. a message that only releases requests
+            return []
         vocab = self.model.cfg.vocab_size
         for req in batch:
             check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, vocab)

@@ -34,6 +34,7 @@ METHODS = [(name, method) for name, service in SERVICES.items()
 
 # a request each request stream answers, sent before a corrupt one
 ANSWERED = {"Speculate": speculator_pb2.SpeculateRequest(iteration=1),
+            "VerifyStream": verifier_pb2.VerifyRequest(),  # an empty step
             "ServerReflectionInfo": reflection_pb2.ServerReflectionRequest(list_services="")}
 
 

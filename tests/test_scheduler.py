@@ -141,6 +141,7 @@ def test_a_stream_left_unread_past_the_cap_gets_its_chunks_then_resource_exhaust
     async def go():
         while scheduler.running or scheduler.waiting:
             await scheduler.iteration()
+            await asyncio.sleep(0)  # the loop's next pass delivers the chunks to the streams
             while not read.events.empty():
                 got.extend(read.events.get_nowait().tokens)
 

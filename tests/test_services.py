@@ -14,9 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from manager_svc.__main__ import ManagerConfig
+from manager_svc.clients import VerifierClient
+from specinfer.engine import Check
+from specinfer.errors import VerifierLost
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
 from specinfer_rpc.client import connect, generate, generate_all, request_pb
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
@@ -401,3 +405,34 @@ def test_one_speculator_hosting_both_ssms_merges_their_trees_with_exact_greedy_o
         assert sum(s.usage.accepted_draft_tokens for s in streams) > 0
     finally:
         extra.stop()
+
+
+def test_a_verifier_that_lost_a_request_ends_the_step_stream_and_the_whole_record_goes_through_on_a_new_one(
+        system, heldout_ids):
+    """The manager's client steps over one VerifyStream. A step for a request the verifier no longer
+    holds (released behind the client's back) fails FAILED_PRECONDITION, which ends the stream: the
+    client raises VerifierLost and drops it. The next step, the whole record, opens a new stream and
+    gets the LLM's own next token."""
+    prompt = heldout_ids[0]
+
+    def check(new_tokens: list[int], length: int) -> Check:
+        return Check("a", new_tokens, length, TokenTree(), SamplingParams())
+
+    async def go() -> list[int]:
+        client = VerifierClient(system.by_name("verifier").address, 30.0, 4 << 20)
+        try:
+            (first,), _ = await client.verify([check(prompt, len(prompt))], [])
+            opened = client.steps
+            record = prompt + first
+            await client.release(["a"])
+            with pytest.raises(VerifierLost, match="resend the whole record"):
+                await client.verify([check([], len(record))], [])
+            assert client.steps is None and opened.done()
+            (second,), _ = await client.verify([check(record, len(record))], [])
+            assert client.steps is not None and not client.steps.done()
+            return first + second
+        finally:
+            await client.release(["a"])
+            await client.close()
+
+    assert asyncio.run(go()) == reference_greedy([prompt], 2)[0]

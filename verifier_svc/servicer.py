@@ -54,6 +54,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc_errors
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
+        return await self._verify(request)
+
+    @rpc_errors
+    async def VerifyStream(self, requests, context):
+        async for request in requests:
+            yield await self._verify(request)
+
+    async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
                                sampling_from_pb(item.sampling)) for item in request.items]
         for req in batch:

@@ -40,6 +40,11 @@ class VerifierStub:
                 request_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specinfer.v1.Verifier/VerifyStream',
+                request_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specinfer.v1.Verifier/Release',
                 request_serializer=specinfer_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
@@ -64,6 +69,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """The same steps over one long-lived stream: one response per request, in order. The manager
+        steps this way, so that a step pays no call set-up. An error (FAILED_PRECONDITION as above,
+        INVALID_ARGUMENT for a bad item) ends the stream with its status; the next step opens another.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free requests' state without a step.
         """
@@ -82,6 +96,11 @@ def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
+                    request_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
@@ -121,6 +140,33 @@ class Verifier:
             request,
             target,
             '/specinfer.v1.Verifier/Verify',
+            specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specinfer.v1.Verifier/VerifyStream',
             specinfer_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             specinfer_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
