@@ -2,18 +2,22 @@
 
 Each iteration the engine (engine.py) may draft with any prefix <k_1..k_m> of the server's expansion config
 that fits the tree budget (m = 0: no tree, plain incremental decoding), and, with context lookup on,
-with context lookup's chain alone (m levels, every level the budget allows: no speculator is asked,
-so the step costs no drafting and no RPC). The controller picks the choice that maximizes the
-expected output of the whole batch per second (Sequoia's objective, per batch size B):
+with context lookup's chain first (m levels, every level the budget allows): the SSMs draft only for
+the requests lookup finds nothing to continue, so a step where it finds a chain for every request
+costs no drafting and no RPC. The controller picks the choice that maximizes the expected output of
+the whole batch per second (Sequoia's objective, per batch size B):
 
-    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + draft(m, nodes) + overhead(B, asked))
+    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + P(asked) draft(m, nodes) + overhead(B, P(asked)))
+
+(P(asked) is 1 for the SSMs' trees; for lookup's choice 1 - (1 - s)^B, where s is the measured share
+of its requests that lookup found nothing for, and the SSMs then draft s B trees.)
 
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
   depth d (the same widths at every depth: prefixes of one expansion config). The SSMs' trees and
-  lookup's chains alone are measured apart; a request that was planned a draft and got none (lookup
-  found no chain, no speculator answered in time) counts as accepting nothing, so the expected output
-  covers how often the drafters have something to say.
+  lookup's choice (its chains, and the SSMs' trees where it found none) are measured apart; a request
+  that was planned a draft and got none (no speculator answered in time) counts as accepting nothing,
+  so the expected output covers how often the drafters have something to say.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
@@ -30,10 +34,10 @@ speculation.
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
 same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
-wins, the choice drops to lookup's chain alone or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
+wins, the choice drops to lookup's chain first or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
 neighbouring choice instead (a shallower or deeper SSM tree; from none or depth 1, also lookup's chain
-alone, and from that, none or depth 1), so that every estimate stays current: `explore` iterations after the
+first, and from that, none or depth 1), so that every estimate stays current: `explore` iterations after the
 choice last moved, then twice as far apart each time while it holds, up to `explore_max`. Exploring
 is not free (a speculator that sat out plain steps first catches up on their tokens): at 2-4
 concurrent requests on a CPU, where plain decoding wins, a look every 16 iterations cost 10-15%.
@@ -87,7 +91,7 @@ class Choice:
     """What the server drafts for its requests in one iteration."""
 
     depth: int  # levels of the server's expansion config (0: no tree, plain decoding)
-    speculators: bool = True  # the SSMs draft (with context lookup merged in when on); False: lookup's chain alone
+    speculators: bool = True  # the SSMs draft (with context lookup merged in when on); False: lookup's chain first
 
 
 PLAIN = Choice(0)
@@ -110,6 +114,7 @@ class Iteration:
     # the nodes of its merged tree (0 and 0 where nothing was found to draft)
     accepted: list[tuple[int, int]] = field(default_factory=list)
     tree_nodes: list[int] = field(default_factory=list)
+    asked: list[bool] = field(default_factory=list)  # and whether the SSMs drafted for it
 
 
 @dataclass
@@ -146,6 +151,25 @@ class Acceptance:
 
 
 @dataclass
+class Share:
+    """A measured share of outcomes that were true, decayed by `forget` per recorded step and pulled
+    towards `prior`."""
+
+    prior: float
+    prior_weight: float
+    forget: float
+    true: float = 0.0
+    seen: float = 0.0
+
+    def __call__(self) -> float:
+        return (self.true + self.prior * self.prior_weight) / (self.seen + self.prior_weight)
+
+    def record(self, outcomes: list[bool]) -> None:
+        self.true = self.true * self.forget + sum(outcomes)
+        self.seen = self.seen * self.forget + len(outcomes)
+
+
+@dataclass
 class Looks:
     """A batch size's schedule of looks at a neighbouring choice."""
 
@@ -161,16 +185,18 @@ class SpeculationController:
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False):
         self.explore, self.explore_max = explore, explore_max
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
-        self.lookup = lookup  # lookup's chain alone is a choice
+        self.lookup = lookup  # lookup's chain first is a choice
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
-        # the SSMs' trees (True) and lookup's chains alone (False), measured apart
+        # the SSMs' trees (True) and lookup's chain first (False), measured apart
         self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
         self.nodes: dict[Choice, float] = {}  # choice -> mean merged tree nodes per request
+        # of the requests on lookup's choice, the share whose lookup found nothing, drafted by the SSMs instead
+        self.fallback = Share(prior, prior_weight, forget)
         self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
         self.seen: dict[Choice, int] = {}  # choice -> iterations measured at it
 
     def choices(self, top: int) -> list[Choice]:
-        """In order: none, lookup's chain alone (every level), the SSMs' trees of depth 1..top."""
+        """In order: none, lookup's chain first (every level), the SSMs' trees of depth 1..top."""
         if top == 0:
             return [PLAIN]
         return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + [Choice(m) for m in range(1, top + 1)]
@@ -183,11 +209,13 @@ class SpeculationController:
     def rate(self, batch_size: int, choice: Choice, full_tree: int) -> float:
         """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
         choice's depth)."""
-        m, asked = choice.depth, choice.depth > 0 and choice.speculators
+        m = choice.depth
+        share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
+        asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
         seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
-                   + (self.draft([1.0, m, batch_size * full_tree]) if asked else 0.0)
-                   + self.overhead([1.0, batch_size, float(asked)]))
+                   + (asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0)
+                   + self.overhead([1.0, batch_size, asked]))
         return batch_size * self.acceptance[choice.speculators].expected_tokens(m) / max(seconds, 1e-9)
 
     def choose(self, batch_size: int, full_trees: list[int]) -> Choice:
@@ -215,7 +243,7 @@ class SpeculationController:
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
         """The choices a look from options[i] alternates between: the next shallower and the next
-        deeper SSM tree (none counting as depth 0), and lookup's chain alone beside none and depth 1
+        deeper SSM tree (none counting as depth 0), and lookup's chain first beside none and depth 1
         (and, from it, those two), so that from any choice every kind of draft is still looked at."""
         c = options[i]
         ssm = [o for o in options if o.speculators or not o.depth]  # none, depth 1..top
@@ -238,6 +266,8 @@ class SpeculationController:
         if not step.choice.depth or not step.accepted:
             return
         self.acceptance[step.choice.speculators].record(step.accepted)
+        if not step.choice.speculators:
+            self.fallback.record(step.asked)
         mean_nodes = sum(step.tree_nodes) / len(step.tree_nodes)
         old = self.nodes.get(step.choice)
         self.nodes[step.choice] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes

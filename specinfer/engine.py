@@ -4,11 +4,12 @@ scheduler (manager_svc) both run `SpeculativeEngine.iteration`.
 One iteration over a batch of running requests:
   1. plan each request's draft: its own expansion config if it fixed one, else the server's, cut to
      the tree budget shared by the batch, at the depth the cost-model controller (controller.py)
-     picks for this batch size, down to none or context lookup's chain alone; never past
+     picks for this batch size, down to context lookup's chain first or none; never past
      max_new_tokens (a step emits the accepted path plus one token of the LLM's own);
-  2. draft: every drafter at once (SSMs in this process, or speculator services), and context
-     lookup's chain from the request's own earlier text (lookup.py), of up to `lookup_tokens`
-     tokens, or as deep as the planned tree (0); merge each request's trees into one;
+  2. draft: context lookup's chain from the request's own earlier text (lookup.py), of up to
+     `lookup_tokens` tokens, or as deep as the planned tree (0); then every drafter at once (SSMs in
+     this process, or speculator services), for every request, or with lookup's chain first only
+     for those lookup found nothing for; merge each request's trees into one;
   3. verify: one batched step; a new request's prompt rides in the same step as the others' trees;
   4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
 
@@ -243,7 +244,7 @@ class SpeculativeEngine:
         steady = all(s.verifier_has for s in batch)
         full_trees = self._full_trees(len(batch))
         choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
-        trees, sources, plans, (levels, nodes) = await self._draft(batch, choice, len(full_trees))
+        trees, sources, plans, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
                 for d in self.drafters:
@@ -271,7 +272,8 @@ class SpeculativeEngine:
                 trees=bool(trees), draft_levels=levels, draft_nodes=nodes,
                 seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
                 accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
-                tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server]))
+                tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server],
+                asked=[s.id in asked for s, _ in on_server]))
         out = []
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran
@@ -338,17 +340,20 @@ class SpeculativeEngine:
                     f"expansion's first level ({self.expansion[0]})")
         return f"the cost model predicts plain decoding faster at batch size {batch_size}"
 
-    def _asks(self, seq: Sequence, choice: Choice) -> bool:
+    @staticmethod
+    def _asks(seq: Sequence, choice: Choice, chain: list[int] | None) -> bool:
         """Whether the drafters draft for the request this step: always for a fixed expansion (the
-        server's choice is for the server's trees), else when the server's choice uses them."""
-        return choice.speculators or seq.expansion is not None
+        server's choice is for the server's trees), else when the server's choice uses them, or when
+        it chose lookup's chain first and lookup found none for the request (the SSMs stand in)."""
+        return choice.speculators or seq.expansion is not None or not chain
 
     async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
-            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], tuple[int, int]]:
+            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], tuple[int, int, set[str]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
         requests that asked for their trees the trees it merged by drafter number (context lookup's:
         the number after the drafters'), the expansion config each drafted request was planned, and
-        the deepest tree asked of the drafters (0: they were not asked) with the nodes asked in all."""
+        the deepest tree asked of the drafters (0: they were not asked), the nodes asked in all, and
+        the requests they were asked for."""
         drafting = []
         for s in batch:
             if plan := self._plan(s, choice):
@@ -358,23 +363,27 @@ class SpeculativeEngine:
         if not drafting or not (self.drafters or self.lookup):
             for s, _ in drafting:
                 s.no_tree["no drafters configured"] += 1
-            return {}, {}, {}, (0, 0)
-        asked = [d for s, d in drafting if self._asks(s, choice)] if self.drafters else []
+            return {}, {}, {}, (0, 0, set())
+        chains = {}  # context lookup's, found before the drafters are asked (it costs no RPC)
+        if self.lookup:
+            for s, d in drafting:
+                s.context.extend(d.record[len(s.context.tokens):])
+                chains[s.id] = s.context.draft(min(self.lookup_tokens or len(d.expansion), self._room(s)))
+        asked = [d for s, d in drafting if self._asks(s, choice, chains.get(s.id))] if self.drafters else []
         answers = (await gather(*(d.draft(asked) for d in self.drafters)) if asked
-                   else [{}] * len(self.drafters))  # context lookup alone: no drafter asked
+                   else [{}] * len(self.drafters))  # lookup found a chain for every request: no drafter asked
         merged, sources = {}, {}
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
-            if self.lookup:
-                s.context.extend(d.record[len(s.context.tokens):])
-                if chain := s.context.draft(min(self.lookup_tokens or len(d.expansion), self._room(s))):
-                    trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
+            if chain := chains.get(s.id):
+                trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
-                s.no_tree["no drafter sent a tree in time" if asked and self._asks(s, choice)
+                s.no_tree["no drafter sent a tree in time" if self.drafters
                           else "context lookup found no earlier occurrence to continue"] += 1
                 continue
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
             if s.want_trees:
                 sources[s.id] = trees
-        asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked))
+        asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked),
+                     {d.request_id for d in asked})
         return merged, sources, {s.id: d.expansion for s, d in drafting}, asked_for

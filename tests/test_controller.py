@@ -14,30 +14,35 @@ EXPANSION = [2, 1, 1, 1]
 
 
 def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
-             chain_accept=0.0):
+             chain_accept=0.0, chain_found=1.0):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
     seconds per level the speculators draft, each draft token accepted (given its parent was) with
-    probability `accept` (`chain_accept` for context lookup's chain alone, which costs no drafting).
+    probability `accept`. On lookup's choice, context lookup finds a chain for a request with
+    probability `chain_found` (its tokens accepted with probability `chain_accept`; it costs no
+    drafting), and the speculators draft the tree of each request it finds none for.
     Returns how often each choice was made over the second half: the SSMs' depth, or "lookup"."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     chosen = Counter()
     for i in range(iterations):
         c = controller.choose(batch_size, full)
-        m, asked = c.depth, c.depth if c.speculators else 0
+        m = c.depth
         if i >= iterations // 2:
             chosen[m if c.speculators else "lookup"] += 1
-        accepted = []
-        for _ in range(batch_size):
+        asked = [bool(m) and (c.speculators or rng.random() >= chain_found) for _ in range(batch_size)]
+        accepted, nodes = [], []
+        for ssm in asked:
             a = 0
-            while a < m and rng.random() < (accept if c.speculators else chain_accept):
+            while a < m and rng.random() < (accept if ssm else chain_accept):
                 a += 1
             accepted.append((a, m))
-        nodes = (full[m - 1] if c.speculators else m) if m else 0
-        rows = batch_size * (1 + nodes)
-        v, d = verify(batch_size, rows), draft_level * asked
-        controller.record(Iteration(batch_size, c, rows, m > 0, asked, batch_size * nodes if asked else 0,
-                               v + d + overhead, v, d, accepted if m else [], [nodes] * batch_size if m else []))
+            nodes.append((full[m - 1] if ssm else m) if m else 0)
+        levels = m if any(asked) else 0
+        rows = batch_size + sum(nodes)
+        v, d = verify(batch_size, rows), draft_level * levels
+        controller.record(Iteration(batch_size, c, rows, m > 0, levels, sum(n for n, a in zip(nodes, asked) if a),
+                                    v + d + overhead, v, d, accepted if m else [], nodes if m else [],
+                                    asked if m else []))
     return chosen
 
 
@@ -138,10 +143,21 @@ def test_lookup_alone_when_the_ssms_cost_more_than_they_win_and_lookup_is_accept
 
 def test_neither_when_lookup_finds_nothing_and_the_ssms_cost_too_much():
     c = SpeculationController(explore=16, lookup=True)
-    chosen = simulate(c, 2, 400, verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.0)
+    chosen = simulate(c, 2, 400, verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_found=0.0)
     assert chosen[0] >= 0.9 * sum(chosen.values()), chosen
     # while none holds, the looks still take both kinds of draft in turn: every estimate stays current
     assert chosen["lookup"] >= 1 and chosen[1] >= 1, chosen
+
+
+def test_lookups_choice_pays_for_the_ssms_trees_where_it_finds_nothing():
+    """Lookup finds a chain for half the requests (70% of its tokens accepted); the SSMs draft the
+    others' trees at a cost above a verifier step per level: lookup's choice then costs those drafts,
+    and plain decoding wins. Where lookup finds a chain for every request, the same chain is chosen."""
+    costs = dict(verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.7)
+    half = simulate(SpeculationController(explore=16, lookup=True), 2, 400, chain_found=0.5, **costs)
+    assert half[0] >= 0.9 * sum(half.values()), half
+    every = simulate(SpeculationController(explore=16, lookup=True), 2, 400, chain_found=1.0, **costs)
+    assert every["lookup"] >= 0.9 * sum(every.values()), every
 
 
 def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():

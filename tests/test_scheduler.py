@@ -1,8 +1,9 @@
-"""The scheduler carries out the controller's choice: context lookup's chain alone asks no speculator
-and keeps outputs exact; the SSMs' trees ask them. The verifier and the speculators here are
-in-process stand-ins with the clients' interface (the services tests run the real ones): a "LLM"
-whose greedy next token repeats the record's token PERIOD places back, so its continuations loop
-and context lookup can guess them, and an SSM that always guesses a token the LLM never emits."""
+"""The scheduler carries out the controller's choice: context lookup's chain first asks the
+speculators only for requests it finds nothing for, and keeps outputs exact; the SSMs' trees ask
+them. The verifier and the speculators here are in-process stand-ins with the clients' interface
+(the services tests run the real ones): a "LLM" whose greedy next token repeats the record's token
+PERIOD places back, so its continuations loop and context lookup can guess them, and an SSM that
+always guesses a token the LLM never emits."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ class Speculator:
 
     def __init__(self):
         self.calls, self.draft_ns = 0, 0
+        self.asked: list[list[str]] = []  # the request ids of each call
 
     async def draft(self, drafts):
         self.calls += 1
+        self.asked.append([d.request_id for d in drafts])
         self.draft_ns = 1000
         return {d.request_id: TokenTree([NEVER] * len(d.expansion), list(range(-1, len(d.expansion) - 1)))
                 for d in drafts}
@@ -107,11 +110,13 @@ def reference(prompt: list[int], n: int) -> list[int]:
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]]
 
 
-def test_lookup_alone_asks_no_speculator_and_stays_exact():
+def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays_exact():
     seqs, speculator, controller = run(False, PROMPTS, 30)
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
-    assert speculator.calls == 0
-    assert controller.steps and all(s.draft_levels == s.draft_nodes == s.draft_s == 0 for s in controller.steps)
+    # only the prefill's iteration, whose last tokens are new (lookup has nothing to continue), asks
+    assert speculator.asked == [[s.id for s in seqs]]
+    assert controller.steps and all(s.draft_levels == s.draft_nodes == s.draft_s == 0 and not any(s.asked)
+                                    for s in controller.steps)
     # the loop is guessed: after the prefill (whose last token is new: no chain), three chain tokens
     # accepted per step, plus the LLM's own
     assert all(s.steps <= 1 + -(-29 // 4) for s in seqs), [s.steps for s in seqs]
