@@ -16,11 +16,13 @@ The distillation set is the LLM's greedy outputs, on two kinds of text:
     turned into "Write a Python function `name(args)` that ...", or a function to explain), in its chat
     template.
 The SSM learns the LLM's top-32 next-token distribution (sharpened to `--temperature`) at every
-position of those sequences, within its draft vocabulary.
+position of those sequences, within its draft vocabulary. `--sets` distillation sets of that size are
+made, each from its own windows and requests (seeds seed, seed + 1, ...) and cached on its own, so
+adding a set reuses the others.
 
 Every stage is cached or checkpointed under --work: run the same command again to resume.
 
-    python scripts/train_models.py                   # about 40 minutes on this 2-core VM
+    python scripts/train_models.py                   # about an hour on this 2-core VM
     python scripts/train_models.py --evaluate-only   # measure the drafters in --out
 
 The evaluation (greedy agreement of the SSM and of context lookup with the LLM on the held-out prompts'
@@ -235,6 +237,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--code", type=int, default=1024, help="code windows to continue")
     ap.add_argument("--chat", type=int, default=1024, help="chat requests to answer")
+    ap.add_argument("--sets", type=int, default=2, help="distillation sets of --code + --chat sequences each (seeds seed, seed+1, ...)")
     ap.add_argument("--code-tokens", type=int, default=64, help="tokens of each code continuation")
     ap.add_argument("--chat-tokens", type=int, default=96, help="tokens of each answer (fewer at EOS)")
     ap.add_argument("--name", default="ssm-0", help="the drafter's directory under --out")
@@ -265,7 +268,6 @@ def main():
 
 
 def train(args, llm, llm_dir, llm_file, tokenizer, train_files, heldout_files):
-    rng = random.Random(args.seed)
     # held-out prompts: code cut before a def's body, and chat requests made from held-out functions
     code = heldout_prompts(heldout_files, args.prompts, random.Random(args.seed))
     chat = [{"id": f"chat-{k:02d}-{fn['name']}", "messages": chat_request(fn, k)}
@@ -276,15 +278,22 @@ def train(args, llm, llm_dir, llm_file, tokenizer, train_files, heldout_files):
 
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha256(f"{sha256(llm_file)}-{args.seed}-{args.code}-{args.chat}".encode()).hexdigest()[:12]
-    seqs = cached(work / f"sequences-{key}.pt", lambda: (
-        continuations(llm, code_windows(tokenizer, train_files, rng, args.code, 48), args.code_tokens, "code continuations")
-        + continuations(llm, [prompt_ids(tokenizer, {"messages": chat_request(fn, k)})
-                              for k, fn in enumerate(functions(train_files, rng, args.chat))],
-                        args.chat_tokens, "chat answers")))
-    print(f"distillation set: {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens")
     hf = LlamaForCausalLM.from_pretrained(llm_dir, dtype=torch.float32).eval()
-    ids, probs = cached(work / f"targets-{key}.pt", lambda: soft_targets(hf, seqs))
+    seqs, ids, probs, keys = [], [], [], []
+    for k in range(args.sets):  # set k: its own windows and requests (seed + k), cached on its own
+        seed = args.seed + k
+        key = hashlib.sha256(f"{sha256(llm_file)}-{seed}-{args.code}-{args.chat}".encode()).hexdigest()[:12]
+        rng = random.Random(seed)
+        part = cached(work / f"sequences-{key}.pt", lambda: (
+            continuations(llm, code_windows(tokenizer, train_files, rng, args.code, 48), args.code_tokens,
+                          f"set {k}: code continuations")
+            + continuations(llm, [prompt_ids(tokenizer, {"messages": chat_request(fn, i)})
+                                  for i, fn in enumerate(functions(train_files, rng, args.chat))],
+                            args.chat_tokens, f"set {k}: chat answers")))
+        part_ids, part_probs = cached(work / f"targets-{key}.pt", lambda: soft_targets(hf, part))
+        seqs, ids, probs, keys = seqs + part, ids + part_ids, probs + part_probs, keys + [key]
+    print(f"distillation set: {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens")
+    key = "+".join(keys)
     counts = torch.bincount(torch.cat([torch.tensor(s) for s in seqs]), minlength=hf.config.vocab_size)
     vocab = sorted(counts.argsort(descending=True, stable=True)[: args.draft_vocab].tolist())
 
@@ -292,7 +301,7 @@ def train(args, llm, llm_dir, llm_file, tokenizer, train_files, heldout_files):
     ssm = LlamaForCausalLM(cfg)
     missing = ssm.load_state_dict(hf.state_dict(), strict=False).missing_keys
     assert not missing, missing
-    del hf
+    hf = None  # the LLM's weights are not needed while training
     ssm.model.embed_tokens.weight.requires_grad_(False)  # the LLM's: rebuilt from its file at load
     recipe = f"{key}-L{args.layers}-v{args.draft_vocab}-e{args.epochs}-T{args.temperature:g}"
     distill(ssm, torch.tensor(vocab), seqs, ids, [sharpened(p, args.temperature) for p in probs], args.epochs, 16,
