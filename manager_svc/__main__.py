@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
 from specinfer.engine import SpeculativeEngine
+from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
 from specinfer_rpc.security import BearerToken, channel_credentials
@@ -56,8 +57,9 @@ class ManagerConfig(ServerConfig):
                                         "the latest earlier occurrence of its last 1-3 tokens, a chain as deep as the "
                                         "speculators' trees (or --lookup-tokens), merged with them (code and loops repeat; "
                                         "a 1-layer SSM cannot copy from its context); only with speculators")
-    lookup_tokens: int = option(0, "the longest chain context lookup drafts per step; 0: as deep as the step's trees "
-                                   "(the depth the cost model chooses)")
+    lookup_tokens: int = option(CHAIN_TOKENS, "the longest chain context lookup drafts per step, whatever the trees' "
+                                              "depth (it costs no drafting, only verified rows; the cost model "
+                                              "measures its acceptance that deep); 0: as deep as the step's trees")
     kv_cache_share: float = option(1.0, "fraction of the verifier's KV cache this manager may reserve "
                                         "(1/N with N managers on one verifier)")
     max_batch: int = option(32, "requests decoded together")
@@ -98,7 +100,8 @@ async def main(cfg: ManagerConfig) -> None:
     await asyncio.gather(*(s.refresh() for s in speculators))
     lookup = cfg.context_lookup and bool(speculators)
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
-                               SpeculationController(lookup=lookup) if cfg.adaptive and speculators else None,
+                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
+                               else None,
                                lookup, cfg.lookup_tokens)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,

@@ -7,17 +7,23 @@ the requests lookup finds nothing to continue, so a step where it finds a chain 
 costs no drafting and no RPC. The controller picks the choice that maximizes the expected output of
 the whole batch per second (Sequoia's objective, per batch size B):
 
-    B * (1 + sum_{d<=m} P(accepted >= d)) / (verify(B, rows) + P(asked) draft(m, nodes) + overhead(B, P(asked)))
+    B * tokens(m) / (verify(B, rows) + P(asked) draft(m, nodes) + overhead(B, P(asked)))
 
-(P(asked) is 1 for the SSMs' trees; for lookup's choice 1 - (1 - s)^B, where s is the measured share
-of its requests that lookup found nothing for, and the SSMs then draft s B trees.)
+tokens(m) is what a request emits per step: for the SSMs' trees 1 + sum_{d<=m} P_ssm(accepted >= d);
+for lookup's choice (1 - s) (1 + sum_{d<=r} P_chain(accepted >= d)) + s tokens_ssm(m), where s is
+the measured share of requests lookup finds nothing for (the SSMs draft their trees instead) and r is
+the chain's length (`chain`, or m where that is 0): a chain costs no drafting, only rows, so it may
+go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for lookup's choice
+(the SSMs then draft s B trees).
 
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
-  depth d (the same widths at every depth: prefixes of one expansion config). The SSMs' trees and
-  lookup's choice (its chains, and the SSMs' trees where it found none) are measured apart; a request
-  that was planned a draft and got none (no speculator answered in time) counts as accepting nothing,
-  so the expected output covers how often the drafters have something to say.
+  depth d (the same widths at every depth: prefixes of one expansion config). The SSMs' trees (with
+  lookup's chain merged in, counted to their own depth) and lookup's chains are measured apart; a
+  chain at every step where lookup found one, whatever the choice (how far the verified tokens agree
+  with it), so its figures stay current while the SSMs' trees are chosen. A request that was planned
+  a draft and got none (no speculator answered in time) counts as accepting nothing, so the expected
+  output covers how often the drafters have something to say.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
@@ -115,6 +121,9 @@ class Iteration:
     accepted: list[tuple[int, int]] = field(default_factory=list)
     tree_nodes: list[int] = field(default_factory=list)
     asked: list[bool] = field(default_factory=list)  # and whether the SSMs drafted for it
+    # and with context lookup on, its chain's (tokens the verified ones agree with, the chain's room),
+    # None where lookup found none (lookup.chain_outcome)
+    chains: list[tuple[int, int] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -182,15 +191,17 @@ class Looks:
 
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
-                 forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False):
+                 forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
+                 chain: int = 0):
         self.explore, self.explore_max = explore, explore_max
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
         self.lookup = lookup  # lookup's chain first is a choice
+        self.chain = chain  # lookup's longest chain (0: as deep as the trees)
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
-        # the SSMs' trees (True) and lookup's chain first (False), measured apart
+        # the SSMs' trees (True) and lookup's chains (False), measured apart
         self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
         self.nodes: dict[Choice, float] = {}  # choice -> mean merged tree nodes per request
-        # of the requests on lookup's choice, the share whose lookup found nothing, drafted by the SSMs instead
+        # of the requests drafted for, the share whose lookup found nothing (on its choice the SSMs draft those)
         self.fallback = Share(prior, prior_weight, forget)
         self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
         self.seen: dict[Choice, int] = {}  # choice -> iterations measured at it
@@ -216,7 +227,14 @@ class SpeculationController:
         seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
                    + (asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0)
                    + self.overhead([1.0, batch_size, asked]))
-        return batch_size * self.acceptance[choice.speculators].expected_tokens(m) / max(seconds, 1e-9)
+        return batch_size * self.expected_tokens(choice, share) / max(seconds, 1e-9)
+
+    def expected_tokens(self, choice: Choice, share: float) -> float:
+        """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
+        ssm = self.acceptance[True].expected_tokens(choice.depth)
+        if choice.speculators:
+            return ssm
+        return (1.0 - share) * self.acceptance[False].expected_tokens(self.chain or choice.depth) + share * ssm
 
     def choose(self, batch_size: int, full_trees: list[int]) -> Choice:
         """What the server drafts this iteration; full_trees[m-1] is the node count of one
@@ -265,9 +283,11 @@ class SpeculationController:
                           max(0.0, step.seconds - step.verify_s - step.draft_s))
         if not step.choice.depth or not step.accepted:
             return
-        self.acceptance[step.choice.speculators].record(step.accepted)
-        if not step.choice.speculators:
-            self.fallback.record(step.asked)
+        self.acceptance[True].record([a for a, asked in zip(step.accepted, step.asked) if asked]
+                                     if not step.choice.speculators else step.accepted)
+        if self.lookup:
+            self.acceptance[False].record([c for c in step.chains if c is not None])
+            self.fallback.record([c is None for c in step.chains])
         mean_nodes = sum(step.tree_nodes) / len(step.tree_nodes)
         old = self.nodes.get(step.choice)
         self.nodes[step.choice] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes

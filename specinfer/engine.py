@@ -29,7 +29,7 @@ from typing import Protocol
 
 from .controller import Choice, Iteration, SpeculationController
 from .errors import VerifierLost, VerifierUnavailable
-from .lookup import ContextIndex, chain_tree
+from .lookup import ContextIndex, chain_outcome, chain_tree
 from .sampling import SamplingParams
 from .tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
 
@@ -244,7 +244,7 @@ class SpeculativeEngine:
         steady = all(s.verifier_has for s in batch)
         full_trees = self._full_trees(len(batch))
         choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
-        trees, sources, plans, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
+        trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
                 for d in self.drafters:
@@ -273,7 +273,8 @@ class SpeculativeEngine:
                 seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
                 accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
                 tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server],
-                asked=[s.id in asked for s, _ in on_server]))
+                asked=[s.id in asked for s, _ in on_server],
+                chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
         out = []
         for s, tokens in zip(batch, results):
             if s.done:  # cancelled while the step ran
@@ -348,12 +349,14 @@ class SpeculativeEngine:
         return choice.speculators or seq.expansion is not None or not chain
 
     async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
-            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]], tuple[int, int, set[str]]]:
+            dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
+            dict[str, tuple[list[int], int]], tuple[int, int, set[str]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), for
         requests that asked for their trees the trees it merged by drafter number (context lookup's:
-        the number after the drafters'), the expansion config each drafted request was planned, and
-        the deepest tree asked of the drafters (0: they were not asked), the nodes asked in all, and
-        the requests they were asked for."""
+        the number after the drafters'), the expansion config each drafted request was planned, with
+        context lookup on the chain it found for each (maybe none) and the most tokens it could have
+        drafted, and the deepest tree asked of the drafters (0: they were not asked), the nodes asked
+        in all, and the requests they were asked for."""
         drafting = []
         for s in batch:
             if plan := self._plan(s, choice):
@@ -363,19 +366,21 @@ class SpeculativeEngine:
         if not drafting or not (self.drafters or self.lookup):
             for s, _ in drafting:
                 s.no_tree["no drafters configured"] += 1
-            return {}, {}, {}, (0, 0, set())
-        chains = {}  # context lookup's, found before the drafters are asked (it costs no RPC)
+            return {}, {}, {}, {}, (0, 0, set())
+        chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
                 s.context.extend(d.record[len(s.context.tokens):])
-                chains[s.id] = s.context.draft(min(self.lookup_tokens or len(d.expansion), self._room(s)))
-        asked = [d for s, d in drafting if self._asks(s, choice, chains.get(s.id))] if self.drafters else []
+                room = min(self.lookup_tokens or len(d.expansion), self._room(s))
+                chains[s.id] = (s.context.draft(room), room)
+        asked = ([d for s, d in drafting if self._asks(s, choice, chains.get(s.id, ([], 0))[0])]
+                 if self.drafters else [])
         answers = (await gather(*(d.draft(asked) for d in self.drafters)) if asked
                    else [{}] * len(self.drafters))  # lookup found a chain for every request: no drafter asked
         merged, sources = {}, {}
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
-            if chain := chains.get(s.id):
+            if chain := chains.get(s.id, ([], 0))[0]:
                 trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
                 s.no_tree["no drafter sent a tree in time" if self.drafters
@@ -386,4 +391,4 @@ class SpeculativeEngine:
                 sources[s.id] = trees
         asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked),
                      {d.request_id for d in asked})
-        return merged, sources, {s.id: d.expansion for s, d in drafting}, asked_for
+        return merged, sources, {s.id: d.expansion for s, d in drafting}, chains, asked_for

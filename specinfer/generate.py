@@ -144,7 +144,8 @@ class Engine:
             LocalVerifier(self.verifier),
             [LocalDrafter(Speculator(m, graphs=graphs), i, replacement) for i, m in enumerate(used)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
-            SpeculationController(lookup=lookup) if adaptive else None, lookup, lookup_tokens)
+            SpeculationController(lookup=lookup, chain=lookup_tokens) if adaptive else None, lookup,
+            lookup_tokens)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:

@@ -59,3 +59,17 @@ def chain_tree(tokens: list[int], groups: bool) -> TokenTree:
     parents = list(range(-1, len(tokens) - 1))
     draws = [DraftGroup(p, [t], [1.0], [u], False) for u, (t, p) in enumerate(zip(tokens, parents))]
     return TokenTree(list(tokens), parents, draws if groups else [])
+
+
+def chain_outcome(chain: list[int], room: int, tokens: list[int]) -> tuple[int, int] | None:
+    """How a step went for a request's chain, as the controller measures it: (the chain's tokens
+    the verified `tokens` (accepted path, then the LLM's own token) agree with, the most tokens the
+    chain could have held), or None where lookup found no chain."""
+    if not chain:
+        return None
+    agreed = 0
+    for drafted, verified in zip(chain, tokens[:-1]):
+        if drafted != verified:
+            break
+        agreed += 1
+    return agreed, room

@@ -14,35 +14,45 @@ EXPANSION = [2, 1, 1, 1]
 
 
 def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
-             chain_accept=0.0, chain_found=1.0):
+             chain_accept=0.0, chain_found=1.0, chain=0):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
     seconds per level the speculators draft, each draft token accepted (given its parent was) with
-    probability `accept`. On lookup's choice, context lookup finds a chain for a request with
-    probability `chain_found` (its tokens accepted with probability `chain_accept`; it costs no
-    drafting), and the speculators draft the tree of each request it finds none for.
+    probability `accept`. With lookup on (the controller's), context lookup finds a chain of `chain`
+    tokens (0: as deep as the step's trees) for a request with probability `chain_found`, its tokens
+    accepted with probability `chain_accept`; it costs no drafting. On the SSMs' choices it is merged
+    with their trees (the accepted path is the longer of the two); on lookup's, the speculators draft
+    the tree of each request it finds none for.
     Returns how often each choice was made over the second half: the SSMs' depth, or "lookup"."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     chosen = Counter()
+
+    def run(p, depth):  # tokens of a path accepted with probability p each, at most depth
+        a = 0
+        while a < depth and rng.random() < p:
+            a += 1
+        return a
+
     for i in range(iterations):
         c = controller.choose(batch_size, full)
         m = c.depth
         if i >= iterations // 2:
             chosen[m if c.speculators else "lookup"] += 1
-        asked = [bool(m) and (c.speculators or rng.random() >= chain_found) for _ in range(batch_size)]
-        accepted, nodes = [], []
-        for ssm in asked:
-            a = 0
-            while a < m and rng.random() < (accept if ssm else chain_accept):
-                a += 1
-            accepted.append((a, m))
-            nodes.append((full[m - 1] if ssm else m) if m else 0)
+        accepted, nodes, asked, chains = [], [], [], []
+        for _ in range(batch_size * bool(m)):
+            found = controller.lookup and rng.random() < chain_found
+            chain_a = run(chain_accept, chain or m) if found else 0
+            ssm = c.speculators or not found
+            accepted.append((max(run(accept, m) if ssm else 0, chain_a), m))
+            nodes.append((full[m - 1] if ssm else 0) + ((chain or m) if found else 0))
+            asked.append(ssm)
+            chains.append((chain_a, chain or m) if found else None)
         levels = m if any(asked) else 0
         rows = batch_size + sum(nodes)
         v, d = verify(batch_size, rows), draft_level * levels
-        controller.record(Iteration(batch_size, c, rows, m > 0, levels, sum(n for n, a in zip(nodes, asked) if a),
-                                    v + d + overhead, v, d, accepted if m else [], nodes if m else [],
-                                    asked if m else []))
+        controller.record(Iteration(batch_size, c, rows, m > 0, levels,
+                                    sum(full[m - 1] for a in asked if a), v + d + overhead, v, d,
+                                    accepted, nodes, asked, chains))
     return chosen
 
 
@@ -158,6 +168,18 @@ def test_lookups_choice_pays_for_the_ssms_trees_where_it_finds_nothing():
     assert half[0] >= 0.9 * sum(half.values()), half
     every = simulate(SpeculationController(explore=16, lookup=True), 2, 400, chain_found=1.0, **costs)
     assert every["lookup"] >= 0.9 * sum(every.values()), every
+
+
+def test_lookups_choice_is_priced_as_deep_as_its_chain_goes():
+    """A step costs far more than a row or a level of drafting (the default LLM on a CPU), the SSMs'
+    4-level trees are accepted 95% of the time and lookup's chain 80%, for every request. Counted to
+    the trees' depth the SSMs win (4.5 tokens a step against 3.4), but the chain is 8 tokens long,
+    and that deep it yields 4.3 tokens for no drafting and fewer rows: lookup's choice wins. (A
+    controller told the chain is as deep as the trees, chain=0, chose the SSMs' trees here.)"""
+    c = SpeculationController(explore=16, lookup=True, chain=8)
+    chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.017 + 0.0006 * rows, draft_level=0.0006, accept=0.95,
+                      chain_accept=0.8, chain=8)
+    assert chosen["lookup"] >= 0.8 * sum(chosen.values()), chosen
 
 
 def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():
