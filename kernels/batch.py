@@ -26,7 +26,6 @@ K/V into a block no request holds.
 
 from __future__ import annotations
 
-import array
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -43,11 +42,12 @@ class RequestView:
     first: int  # slot of its first new query (the first new committed token or tree node)
     n_committed: int  # new committed tokens (slots first .. first + n_committed - 1), attending causally
     tree_start: int  # first tree slot
-    tree_rows: list[int]  # per new tree node, its ancestor-or-self row over the scratch tree (bit t: tree slot t)
+    tree_parents: list[int]  # its whole scratch tree, by tree slot: each node's parent (-1: the root)
+    n_new_nodes: int  # the tree's last nodes, this batch's queries (the ones before are cached already)
 
     @property
     def n_queries(self) -> int:
-        return self.n_committed + len(self.tree_rows)
+        return self.n_committed + self.n_new_nodes
 
 
 @dataclass(frozen=True)
@@ -63,17 +63,18 @@ class Needs:
     @classmethod
     def of(cls, requests: list[RequestView], scalars: np.ndarray | None = None) -> "Needs":
         """`scalars`: `request_scalars(requests)`, when the caller has them already."""
-        n_blocks, first, n_com, tree_start, n_tree = (request_scalars(requests) if scalars is None else scalars).T
+        n_blocks, first, n_com, tree_start, n_tree, _ = (request_scalars(requests) if scalars is None else scalars).T
         end = first + n_com + n_tree
         return cls(int((n_com + n_tree).sum()), len(requests), int(n_blocks.max(initial=0)),
                    max(1, int((-(-(end - tree_start) // 32)).max(initial=1))))
 
 
 def request_scalars(requests: list[RequestView]) -> np.ndarray:
-    """[B, 5] int64, per request: its blocks, first, n_committed, tree_start and new tree nodes."""
-    values = itertools.chain.from_iterable([(len(r.blocks), r.first, r.n_committed, r.tree_start, len(r.tree_rows))
-                                            for r in requests])
-    return np.fromiter(values, dtype=np.int64, count=5 * len(requests)).reshape(-1, 5)
+    """[B, 6] int64, per request: its blocks, first, n_committed, tree_start, new tree nodes and
+    scratch tree nodes (new ones included)."""
+    values = itertools.chain.from_iterable([(len(r.blocks), r.first, r.n_committed, r.tree_start, r.n_new_nodes,
+                                             len(r.tree_parents)) for r in requests])
+    return np.fromiter(values, dtype=np.int64, count=6 * len(requests)).reshape(-1, 6)
 
 
 @dataclass(frozen=True)
@@ -166,16 +167,26 @@ def batch_shapes(queries: int, requests: int, words: int, blocks: int) -> Shapes
             "q_starts": (requests + 1,), "tree_bits": (queries, words), "block_tables": (max(requests, 1), blocks)}
 
 
-def _as_words(rows: list[int], words: int) -> np.ndarray:
-    """Ancestor rows (Python ints) as [len(rows), words] int32; bit t of word w is tree slot 32 w + t."""
-    chunks = (words + 1) // 2
-    mask = (1 << 64) - 1
-    wide = np.empty((len(rows), chunks), dtype=np.uint64)
-    # through array.array: twice as fast as np.fromiter
-    wide[:, 0] = np.frombuffer(array.array("Q", [r & mask for r in rows] if chunks > 1 else rows), dtype=np.uint64)
-    for c in range(1, chunks):  # trees of more than 64 nodes
-        wide[:, c] = np.fromiter(((r >> (64 * c)) & mask for r in rows), dtype=np.uint64, count=len(rows))
-    return wide.view(np.int32)[:, :words]  # little-endian: each uint64 is (low word, high word)
+def ancestor_words(parents: np.ndarray, sizes: np.ndarray, words: int) -> np.ndarray:
+    """Every node's row of its tree's ancestor-or-self matrix, for many trees at once: parents [M]
+    (each tree's nodes in turn, a parent before its children, -1 for the root), sizes [T] (nodes per
+    tree). Returns [M, words] uint32; bit t of word w is the tree's node 32 w + t. By pointer jumping:
+    after round k a node's row holds its ancestors up to 2^k - 1 steps up, so a tree of depth d takes
+    ceil(log2(d)) rounds of numpy over every node of every tree, with no Python loop per node."""
+    m = parents.shape[0]
+    start = np.repeat(np.cumsum(sizes) - sizes, sizes)  # each node's tree's first node
+    local = np.arange(m) - start
+    if (parents >= local).any() or parents.min() < -1:
+        u = int(np.argmax((parents < -1) | (parents >= local)))
+        raise ValueError(f"tree batch: node {local[u]} of a tree has parent {parents[u]}; parents must precede children")
+    up = np.append(parents + start, m)  # row m: no node (all zero, its own parent)
+    up[:m][parents < 0] = m
+    rows = np.zeros((m + 1, words), dtype=np.uint32)
+    rows[np.arange(m), local >> 5] = np.left_shift(np.uint32(1), (local & 31).astype(np.uint32))
+    while up.min() < m:
+        rows[:m] |= rows[up[:m]]
+        up = up[up]
+    return rows[:m]
 
 
 @dataclass(frozen=True)
@@ -234,7 +245,7 @@ class TreeBatch:
         """Write the batch's fields into the host arrays `out` (shaped by `shapes`), vectorized over
         queries: per request only its block table and tree rows are read. Returns the attention
         batch's host facts and what the host knows of each query."""
-        n_blocks, first, n_com, tree_start, n_tree = scalars.T
+        n_blocks, first, n_com, tree_start, n_tree, n_nodes = scalars.T
         n_q = n_com + n_tree
         end = first + n_q
         if (end > n_blocks * block_size).any():
@@ -261,13 +272,17 @@ class TreeBatch:
         out["query_requests"][:n] = owner
         bits = out["tree_bits"]
         bits[:n] = 0
-        rows = list(itertools.chain.from_iterable(r.tree_rows for r in requests))
         depth = np.zeros(n, dtype=np.int64)
-        if rows:  # only the words the largest tree uses; the rest stay zero
-            words = _as_words(rows, int(-(-(end - tree_start).max() // 32)))
+        if n_tree.any():  # only the words the largest tree uses; the rest stay zero
+            parents = np.fromiter(itertools.chain.from_iterable(r.tree_parents for r in requests), dtype=np.int64,
+                                  count=int(n_nodes.sum()))
+            rows = ancestor_words(parents, n_nodes, int(-(-n_nodes.max() // 32)))
+            if (n_nodes > n_tree).any():  # some trees were cached in part (grown level by level): their new nodes
+                new = np.cumsum(n_nodes) - n_tree  # each request's first new node
+                rows = rows[np.repeat(new, n_tree) + np.arange(int(n_tree.sum())) - np.repeat(np.cumsum(n_tree) - n_tree, n_tree)]
             tree = np.flatnonzero(~committed)
-            bits[tree, : words.shape[1]] = words
-            depth[tree] = np.bitwise_count(words.view(np.uint32)).sum(1)  # ancestors and itself
+            bits[tree, : rows.shape[1]] = rows.view(np.int32)
+            depth[tree] = np.bitwise_count(rows).sum(1)  # ancestors and itself
         seq_lens, starts = out["seq_lens"], out["tree_starts"]
         seq_lens[:B], starts[:B], out["q_starts"][: B + 1] = end, tree_start, q_starts
         has_tree = bool(np.any(end > tree_start))

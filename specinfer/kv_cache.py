@@ -13,20 +13,19 @@ order for a verifier tree, level order for a tree an SSM is growing). After veri
 `commit(path)` moves the accepted nodes' entries to consecutive committed slots (no recomputation),
 drops the rest of the tree, and returns blocks that no longer hold anything.
 
-The cache also says which earlier slots each new query may attend to: committed tokens causally,
-tree nodes every committed slot plus their own ancestors and themselves.
+Which earlier slots each new query may attend to (committed tokens causally, tree nodes every
+committed slot plus their own ancestors and themselves) the batch works out from the scratch tree's
+parents (`TreeBatch.pack`), for every request at once.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import operator
 import weakref
 
 import torch
 
-from .tree import TokenTree, ancestor_bits
+from .tree import TokenTree
 
 BLOCK_SIZE = 16
 POOL_TOKENS = 65536  # default pool size in token slots
@@ -101,7 +100,6 @@ class KVCache:
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
-        self.tree_rows: list[int] = []  # per tree node, its ancestor-or-self row (tree.ancestor_bits)
 
     @property
     def slots(self) -> int:
@@ -134,19 +132,13 @@ class KVCache:
         """Committed tokens whose K/V are not here yet."""
         return self.tokens[self.length :]
 
-    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> tuple[int, list[int]]:
+    def extend(self, n_new: int, tree_tokens: list[int], tree_parents: list[int]) -> int:
         """Make room for n_new committed tokens followed by new tree nodes (parents index the whole
-        scratch tree, earlier nodes included). Returns the first slot written and the new nodes'
-        ancestor-or-self rows over the whole scratch tree (bit v: tree node v; a node's depth is
-        its row's bit count). Each node's row is kept, so a tree grown level by level costs one
-        step per new node (`tree.ancestor_bits`)."""
+        scratch tree, earlier nodes included; the batch they join checks them, `TreeBatch.pack`).
+        Returns the first slot written."""
         n_old = len(self.tree.tokens)
         if n_new and n_old:
             raise ValueError("kv cache: committed tokens cannot be appended while a draft tree is pending")
-        # checked before anything changes: -1 <= p < n_old + i, i.e. p - i < n_old
-        if tree_parents and (min(tree_parents) < -1 or max(map(operator.sub, tree_parents, itertools.count())) >= n_old):
-            i, p = next((i, p) for i, p in enumerate(tree_parents) if not -1 <= p < n_old + i)
-            raise ValueError(f"kv cache: tree parent {p} of node {n_old + i} out of range")
         first = self.length + n_old
         end = first + n_new + len(tree_tokens)
         if end > len(self.blocks) * self.pool.block_size:
@@ -154,7 +146,7 @@ class KVCache:
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents
-        return first, ancestor_bits(self.tree.parents, self.tree_rows)[n_old:]
+        return first
 
     def commit(self, path: list[int]) -> None:
         """Keep the tree nodes on `path` (scratch indices, root side first) as committed tokens."""
@@ -172,7 +164,7 @@ class KVCache:
         return move
 
     def drop_tree(self) -> None:
-        self.tree, self.tree_rows = TokenTree(), []
+        self.tree = TokenTree()
 
     def matching_path(self, tokens: list[int]) -> list[int]:
         """The longest chain of tree nodes from the root whose tokens are a prefix of `tokens`."""

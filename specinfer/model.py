@@ -410,10 +410,12 @@ class LlamaModel(nn.Module):
         assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
         tokens, views = [], []
         for it in items:
-            first, tree_rows = it.cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
+            cache = it.cache
+            first = cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
             tokens += it.new_tokens
             tokens += it.tree_tokens
-            views.append(RequestView(it.cache.blocks, first, len(it.new_tokens), it.cache.length, tree_rows))
+            views.append(RequestView(cache.blocks, first, len(it.new_tokens), cache.length, cache.tree.parents,
+                                     len(it.tree_tokens)))
         return Layout(pool, tokens, views)
 
     @torch.no_grad()

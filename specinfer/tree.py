@@ -96,17 +96,6 @@ def check_verifiable(tree: TokenTree) -> None:
                                  f"with positive probability in its q")
 
 
-def ancestor_bits(parents: list[int], known: list[int] | None = None) -> list[int]:
-    """Per node u, the topology-aware causal mask's row as an int: bit v is set iff v is u or an
-    ancestor of u (so u's depth is the row's bit count). known: the rows of the first nodes, already
-    computed (a tree grown level by level, as a KV cache keeps it): extended in place and returned."""
-    rows = [] if known is None else known
-    for u in range(len(rows), len(parents)):
-        p = parents[u]
-        rows.append(rows[p] | 1 << u if p >= 0 else 1 << u)
-    return rows
-
-
 def depths(parents: list[int]) -> list[int]:
     """Per node, its depth: a child of the root has depth 1."""
     out: list[int] = []

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from specinfer.checkpoints import DEFAULT_LLM
 from specinfer.model import LlamaModel, ModelConfig
-from specinfer.tree import TokenTree, ancestor_bits, dfs_order, reorder
+from specinfer.tree import TokenTree, dfs_order, reorder
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import RequestView, TreeBatch, tree_attention_reference
 
@@ -70,10 +70,10 @@ def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv
     for b in range(batch):
         blocks = order[b * per:(b + 1) * per]
         if tree == 1:
-            views.append(RequestView(blocks, prefix, 1, prefix + 1, []))
+            views.append(RequestView(blocks, prefix, 1, prefix + 1, [], 0))
         else:
             parents = random_tree(rng, tree, 2).parents
-            views.append(RequestView(blocks, prefix, 0, prefix, ancestor_bits(parents)))
+            views.append(RequestView(blocks, prefix, 0, prefix, parents, len(parents)))
     tb = TreeBatch.build(views, bs, device)
     q = torch.randn(tb.host_q_starts[-1], hq, d, dtype=dtype, device=device)
     k = torch.randn(per * batch, bs, hkv, d, dtype=dtype, device=device)

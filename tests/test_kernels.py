@@ -16,7 +16,6 @@ import random
 import pytest
 import torch
 
-from specinfer.tree import ancestor_bits
 from specinfer_bench import ops
 from specinfer_kernels import Capacity, RequestView, TreeBatch, tree_attention_reference
 from specinfer_kernels import tree_attention_triton as kernel_module
@@ -26,10 +25,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # kernel vs reference, max abs difference on unit-variance inputs: float32 accumulates identically
 # up to summation order; fp16/bf16 round P to the input type before P @ V, as FlashAttention does
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def tree_rows(parents: list[int], n_old: int) -> list[int]:
-    return ancestor_bits(parents)[n_old:]
 
 
 def random_parents(rng: random.Random, n: int, shape: str) -> list[int]:
@@ -57,7 +52,7 @@ def make_case(seed: int, requests: list[tuple[int, int, int, int, str]], hkv: in
         tree_start = prefix + committed
         blocks = [free.pop() for _ in range(-(-(tree_start + old + new) // block_size))]
         # the queries start at the new committed tokens, or after the tree nodes already cached
-        views.append(RequestView(blocks, prefix + old, committed, tree_start, tree_rows(parents, old)))
+        views.append(RequestView(blocks, prefix + old, committed, tree_start, parents, new))
         trees.append(parents)
     n_q = sum(view.n_queries for view in views)
     q = torch.randn(n_q, hkv * group, d, generator=gen).to(DEVICE, dtype)
@@ -87,7 +82,7 @@ def test_visible_keys_are_the_prefix_plus_exactly_each_nodes_ancestors_over_many
     """A 300-node tree (10 bit words per query) after a 5-token prefix: the batch's mask is the
     committed prefix plus, over the tree's slots, the ancestor-or-self matrix spelled out."""
     parents = random_parents(random.Random(0), 300, "random")
-    batch = TreeBatch.build([RequestView(list(range(20)), 5, 0, 5, tree_rows(parents, 0))], 16)
+    batch = TreeBatch.build([RequestView(list(range(20)), 5, 0, 5, parents, 300)], 16)
     want = torch.zeros(300, 305, dtype=torch.bool)
     want[:, :5] = True
     for u in range(300):

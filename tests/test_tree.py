@@ -2,10 +2,13 @@
 
 import random
 
+import numpy as np
 import pytest
 
-from specinfer.tree import (TokenTree, accepted_nodes, ancestor_bits, depths, dfs_order, merge, parse_expansion,
+from specinfer.tree import (TokenTree, accepted_nodes, depths, dfs_order, merge, parse_expansion,
                             proposers, reorder)
+
+from specinfer_kernels.batch import ancestor_words
 
 from .conftest import path_to
 
@@ -85,19 +88,6 @@ def test_dfs_reorder_preserves_paths_and_is_dfs(seed):
     assert is_dfs(t.parents)
 
 
-def test_ancestor_bits_mark_exactly_ancestors_and_self_and_depths_count_them():
-    tree = random_tree(random.Random(3), 14)
-    rows = ancestor_bits(tree.parents)
-    for u in range(len(tree)):
-        assert {v for v in range(len(tree)) if rows[u] >> v & 1} == set(path_to(tree, u))
-        assert depths(tree.parents)[u] == len(path_to(tree, u))
-
-
-def test_ancestor_bits_grow_level_by_level_as_from_scratch():
-    tree = random_tree(random.Random(5), 16)
-    assert ancestor_bits(tree.parents, ancestor_bits(tree.parents[:7])) == ancestor_bits(tree.parents)
-
-
 def test_parse_expansion():
     assert parse_expansion("1,1,3,1") == [1, 1, 3, 1]
     assert parse_expansion("") == []
@@ -108,3 +98,23 @@ def test_parse_expansion():
 def test_parents_must_precede_children():
     with pytest.raises(ValueError, match="parent"):
         TokenTree([1, 2], [1, -1])
+
+
+def test_ancestor_words_mark_exactly_ancestors_and_self_for_many_trees_at_once():
+    """One call over trees of every shape (a root alone, a 100-deep chain, 150 wide, random ones of
+    up to 300 nodes: 10 words): each node's row is its path from the root, its depth the row's bits."""
+    rng = random.Random(7)
+    trees = [random_tree(rng, 1), TokenTree(list(range(100)), list(range(-1, 99))),
+             TokenTree(list(range(150)), [-1] * 150), *(random_tree(rng, n) for n in (14, 300, 33))]
+    rows = ancestor_words(np.array([p for t in trees for p in t.parents]), np.array([len(t) for t in trees]), 10)
+    at = 0
+    for t in trees:
+        for u in range(len(t)):
+            bits = {32 * w + b for w in range(10) for b in range(32) if int(rows[at + u, w]) >> b & 1}
+            assert bits == set(path_to(t, u)) and len(bits) == depths(t.parents)[u]
+        at += len(t)
+
+
+def test_ancestor_words_refuse_a_parent_after_its_child():
+    with pytest.raises(ValueError, match="node 2 of a tree has parent 2"):
+        ancestor_words(np.array([-1, 0, 2]), np.array([3]), 1)
