@@ -2,7 +2,9 @@
 
 Starts the verifier and one speculator per SSM once, then one manager per (setting, concurrency),
 checks greedy outputs, and drives bounded streaming loads in interleaved rounds, every other
-round in reverse order (this machine's speed drifts, and a process that slows as it runs would
+round in reverse order. Each round's load takes the prompt file's next prompts (a run at one stream
+takes only two, so every round taking the first ones measured two prompts), the same for every
+setting (this machine's speed drifts, and a process that slows as it runs would
 favour whichever setting runs first; medians are reported and every run's figure kept). Each manager logs its per-
 iteration split (verifier step, slowest speculator, the rest = its own overhead incl. RPC) on exit.
 
@@ -88,7 +90,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         for r in range(rounds):  # interleaved, so that the machine's drift hits all settings alike,
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
                 sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[1:])
-                report = asyncio.run(run_load(manager.address, prompts, c, duration=1e9, max_new_tokens=max_new_tokens,
+                at = r * c * requests_per_stream % len(prompts)  # this round's prompts: the next ones
+                report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
+                                              max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
