@@ -22,7 +22,7 @@ adding a set reuses the others.
 
 Every stage is cached or checkpointed under --work: run the same command again to resume.
 
-    python scripts/train_models.py                   # about an hour on this 2-core VM
+    python scripts/train_models.py                   # about an hour and a half on this 2-core VM
     python scripts/train_models.py --evaluate-only   # measure the drafters in --out
 
 The evaluation (greedy agreement of the SSM and of context lookup with the LLM on the held-out prompts'
@@ -237,7 +237,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--code", type=int, default=1024, help="code windows to continue")
     ap.add_argument("--chat", type=int, default=1024, help="chat requests to answer")
-    ap.add_argument("--sets", type=int, default=2, help="distillation sets of --code + --chat sequences each (seeds seed, seed+1, ...)")
+    ap.add_argument("--sets", type=int, default=4, help="distillation sets of --code + --chat sequences each (seeds seed, seed+1, ...)")
     ap.add_argument("--code-tokens", type=int, default=64, help="tokens of each code continuation")
     ap.add_argument("--chat-tokens", type=int, default=96, help="tokens of each answer (fewer at EOS)")
     ap.add_argument("--name", default="ssm-0", help="the drafter's directory under --out")
