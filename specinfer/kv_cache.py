@@ -142,7 +142,7 @@ class KVCache:
         first = self.length + n_old
         end = first + n_new + len(tree_tokens)
         if end > len(self.blocks) * self.pool.block_size:
-            self.blocks += self.pool.allocate(-(-end // self.pool.block_size) - len(self.blocks))
+            self.blocks += self.pool.allocate(self.blocks_to_grow(end))
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents
