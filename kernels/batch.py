@@ -15,13 +15,13 @@ may see key slot j of its request when
 `tree_bits` packs each query's row of the tree's ancestor-or-self matrix into int32 words, so a
 tree of any size costs ceil(n / 32) words per query, not a dense [queries, keys] mask.
 
-The batch is laid out on the host with numpy, vectorized over queries (per request, only its block
-table and its tree rows are read), into one flat int32 buffer (`Staging`), and reaches the device
-in one copy (two for a padded batch: only its used rows), so building it dispatches no torch op
-that grows with the number of requests. With a
-`Capacity` the fields have fixed shapes instead (what a captured CUDA graph reads): unused request
-slots are empty, and the last slot owns the padding queries, which see no key and write their own
-K/V into a block no request holds.
+The batch is laid out on the host with numpy, vectorized over queries, from each request's scalars
+(`SCALARS`), its scratch tree's parents and a table of block tables it gathers rows of (the KV
+pool's, kept up to date as caches grow), into one flat int32 buffer (`Staging`), and reaches the
+device in one copy (two for a padded batch: only its used rows), so building it dispatches no torch
+op that grows with the number of requests. With a `Capacity` the fields have fixed shapes instead
+(what a captured CUDA graph reads): unused request slots are empty, and the last slot owns the
+padding queries, which see no key and write their own K/V into a block no request holds.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import numpy as np
 import torch
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x, and a batch makes one per request
+@dataclass
 class RequestView:
-    """One request's part of a batch, as the KV cache knows it."""
+    """One request's part of a batch, spelled out (what `TreeBatch.build` takes; a model's forward
+    writes the same facts straight into `SCALARS` rows)."""
 
     blocks: list[int]  # its block table
     first: int  # slot of its first new query (the first new committed token or tree node)
@@ -50,6 +51,26 @@ class RequestView:
         return self.n_committed + self.n_new_nodes
 
 
+# a batch's requests as one [B, 7] int64 array, a row per request: its block table's row in the
+# table of tables, its blocks, and then as RequestView says (the scratch tree's nodes, new ones included)
+SCALARS = ("row", "blocks", "first", "committed", "tree_start", "new_nodes", "nodes")
+
+
+def request_scalars(requests: list[RequestView]) -> np.ndarray:
+    """`SCALARS` of requests whose block tables are rows 0.. of `block_table(requests)`."""
+    values = itertools.chain.from_iterable([(b, len(r.blocks), r.first, r.n_committed, r.tree_start, r.n_new_nodes,
+                                             len(r.tree_parents)) for b, r in enumerate(requests)])
+    return np.fromiter(values, dtype=np.int64, count=7 * len(requests)).reshape(-1, 7)
+
+
+def block_table(requests: list[RequestView]) -> np.ndarray:
+    """[B, the most blocks (at least 1)] int32: request b's block table in row b."""
+    table = np.zeros((len(requests), max([1, *(len(r.blocks) for r in requests)])), dtype=np.int32)
+    for b, r in enumerate(requests):
+        table[b, : len(r.blocks)] = r.blocks
+    return table
+
+
 @dataclass(frozen=True)
 class Needs:
     """What a batch of requests needs of a capacity: its queries, its requests, the longest block
@@ -61,20 +82,10 @@ class Needs:
     words: int
 
     @classmethod
-    def of(cls, requests: list[RequestView], scalars: np.ndarray | None = None) -> "Needs":
-        """`scalars`: `request_scalars(requests)`, when the caller has them already."""
-        n_blocks, first, n_com, tree_start, n_tree, _ = (request_scalars(requests) if scalars is None else scalars).T
-        end = first + n_com + n_tree
-        return cls(int((n_com + n_tree).sum()), len(requests), int(n_blocks.max(initial=0)),
-                   max(1, int((-(-(end - tree_start) // 32)).max(initial=1))))
-
-
-def request_scalars(requests: list[RequestView]) -> np.ndarray:
-    """[B, 6] int64, per request: its blocks, first, n_committed, tree_start, new tree nodes and
-    scratch tree nodes (new ones included)."""
-    values = itertools.chain.from_iterable([(len(r.blocks), r.first, r.n_committed, r.tree_start, r.n_new_nodes,
-                                             len(r.tree_parents)) for r in requests])
-    return np.fromiter(values, dtype=np.int64, count=6 * len(requests)).reshape(-1, 6)
+    def of(cls, scalars: np.ndarray) -> "Needs":
+        """From the requests' `SCALARS`."""
+        total, most = scalars.sum(0), scalars.max(0, initial=0)
+        return cls(int(total[3] + total[5]), len(scalars), int(most[1]), max(1, -(-int(most[6]) // 32)))
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,16 @@ class Staging:
         self._device = make(self.total, dtype=torch.int32, device=self.device) if self.mirror else self._host
         self._views = {name: self._device[o: o + n].view(shape) for (name, shape), o, n in
                        zip(shapes.items(), self.offsets.values(), sizes)}  # made once: their addresses never change
+        self._claimed: dict[str, int] = {}  # see `claim`
+        self.kept: dict = {}  # what a caller made of the device views once, to reuse with them (their addresses never change)
+
+    def claim(self, group: str, rows: int) -> int:
+        """Record that a group of fields now holds a step's values in its first `rows` rows, the
+        padding's after them; returns how many rows held a step's values before (at first: all).
+        A padded batch rewrites its padding only in rows [rows, that), the others still hold it."""
+        before = self._claimed.get(group, self.total)
+        self._claimed[group] = rows
+        return before
 
     def host(self) -> dict[str, np.ndarray]:
         """The host arrays, once the last send has read them."""
@@ -167,18 +188,37 @@ def batch_shapes(queries: int, requests: int, words: int, blocks: int) -> Shapes
             "q_starts": (requests + 1,), "tree_bits": (queries, words), "block_tables": (max(requests, 1), blocks)}
 
 
-def ancestor_words(parents: np.ndarray, sizes: np.ndarray, words: int) -> np.ndarray:
-    """Every node's row of its tree's ancestor-or-self matrix, for many trees at once: parents [M]
-    (each tree's nodes in turn, a parent before its children, -1 for the root), sizes [T] (nodes per
-    tree). Returns [M, words] uint32; bit t of word w is the tree's node 32 w + t. By pointer jumping:
-    after round k a node's row holds its ancestors up to 2^k - 1 steps up, so a tree of depth d takes
-    ceil(log2(d)) rounds of numpy over every node of every tree, with no Python loop per node."""
-    m = parents.shape[0]
+SMALL_TREES = 128  # nodes in all, up to which a Python loop is faster than numpy's rounds (about 20 µs at least)
+
+
+def ancestor_words(trees: list[list[int]], sizes: np.ndarray, words: int, last: np.ndarray | None = None) -> np.ndarray:
+    """Every node's row of its tree's ancestor-or-self matrix, for many trees at once: each tree's
+    parents (a parent before its children, -1 for the root), sizes [T] (their lengths). Returns
+    [M, words] uint32, the trees' nodes in turn; bit t of word w is the tree's node 32 w + t.
+    last [T]: only the last last[t] nodes of tree t (those of a tree grown level by level that a
+    batch adds; the rows of all are computed).
+
+    Over many nodes by pointer jumping: after round k a node's row holds its ancestors up to 2^k - 1
+    steps up, so a tree of depth d takes ceil(log2(d)) rounds of numpy over every node of every tree,
+    with no Python loop per node. Up to SMALL_TREES nodes of at most 64 per tree (a batch of one or
+    a few requests), one Python integer per node is faster: its parent's bits and its own."""
+    m = int(sizes.sum())
+    if m <= SMALL_TREES and words <= 2 and np.little_endian:
+        masks, kept = [], []
+        for parents, keep in zip(trees, sizes.tolist() if last is None else last.tolist()):
+            base = len(masks)
+            for u, p in enumerate(parents):
+                if not -1 <= p < u:
+                    _bad_parent(u, p)
+                masks.append(1 << u | (masks[base + p] if p >= 0 else 0))
+            kept += masks[len(masks) - keep:] if keep else ()
+        return np.fromiter(kept, dtype=np.uint64, count=len(kept)).view(np.uint32).reshape(-1, 2)[:, :words]
+    parents = np.fromiter(itertools.chain.from_iterable(trees), dtype=np.int64, count=m)
     start = np.repeat(np.cumsum(sizes) - sizes, sizes)  # each node's tree's first node
     local = np.arange(m) - start
     if (parents >= local).any() or parents.min() < -1:
         u = int(np.argmax((parents < -1) | (parents >= local)))
-        raise ValueError(f"tree batch: node {local[u]} of a tree has parent {parents[u]}; parents must precede children")
+        _bad_parent(local[u], parents[u])
     up = np.append(parents + start, m)  # row m: no node (all zero, its own parent)
     up[:m][parents < 0] = m
     rows = np.zeros((m + 1, words), dtype=np.uint32)
@@ -186,7 +226,14 @@ def ancestor_words(parents: np.ndarray, sizes: np.ndarray, words: int) -> np.nda
     while up.min() < m:
         rows[:m] |= rows[up[:m]]
         up = up[up]
-    return rows[:m]
+    if last is None or (last == sizes).all():
+        return rows[:m]
+    shift = np.cumsum(sizes) - np.cumsum(last)  # per tree: its first kept row, less its first kept node's place in the result
+    return rows[np.arange(int(last.sum())) + np.repeat(shift, last)]
+
+
+def _bad_parent(u: int, p: int):
+    raise ValueError(f"tree batch: node {u} of a tree has parent {p}; parents must precede children")
 
 
 @dataclass(frozen=True)
@@ -194,10 +241,8 @@ class Queries:
     """A packed batch's queries, as the host knows them (numpy arrays [N])."""
 
     owner: np.ndarray  # its request
-    local: np.ndarray  # its index among its request's queries
     slot: np.ndarray  # the KV slot it writes, in its request
-    committed: np.ndarray  # bool: a new committed token (else a tree node)
-    depth: np.ndarray  # a tree node's depth (a child of the root: 1); 0 for a committed token
+    position: np.ndarray  # in its sequence: a committed token's is its slot; a tree node's, the committed length - 1 + its depth
 
 
 @dataclass
@@ -232,6 +277,12 @@ class TreeBatch:
             self._derived[key] = make()
         return self._derived[key]
 
+    def renew(self) -> "TreeBatch":
+        """This batch for the next forward pass over the same fields (refilled in place): what
+        was derived from the last one's values is gone."""
+        self._derived.clear()
+        return self
+
     @staticmethod
     def shapes(needs: Needs, capacity: Capacity | None = None) -> Shapes:
         """The fields' shapes for a batch with these needs, or padded to `capacity`."""
@@ -240,77 +291,85 @@ class TreeBatch:
         return batch_shapes(needs.queries, needs.requests, needs.words, max(1, needs.blocks))
 
     @staticmethod
-    def pack(requests: list[RequestView], scalars: np.ndarray, block_size: int, out: dict[str, np.ndarray],
+    def pack(scalars: np.ndarray, trees: list[list[int]], tables: np.ndarray, block_size: int, staging: Staging,
              capacity: Capacity | None = None) -> tuple[dict, "Queries"]:
-        """Write the batch's fields into the host arrays `out` (shaped by `shapes`), vectorized over
-        queries: per request only its block table and tree rows are read. Returns the attention
-        batch's host facts and what the host knows of each query."""
-        n_blocks, first, n_com, tree_start, n_tree, n_nodes = scalars.T
+        """Write the batch's fields into `staging`'s host arrays (shaped by `shapes`), vectorized over
+        queries: scalars [B, 7] (`SCALARS`, consistent as `check` says: a KV cache's are by
+        construction), each request's scratch tree (its parents, checked here), and the table of
+        block tables whose rows `scalars` names. Returns the attention batch's host facts and what
+        the host knows of each query."""
+        row, n_blocks, first, n_com, tree_start, n_tree, n_nodes = scalars.T
         n_q = n_com + n_tree
         end = first + n_q
-        if (end > n_blocks * block_size).any():
-            b = int(np.argmax(end > n_blocks * block_size))
-            raise ValueError(f"tree batch: {end[b]} slots do not fit {n_blocks[b]} blocks of {block_size}")
-        if ((first + n_com > tree_start) & (n_com > 0)).any():
-            raise ValueError("tree batch: new committed tokens must lie before the tree")
-        B, n = len(requests), int(n_q.sum())
-        q_starts = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(n_q, out=q_starts[1:])
+        out, B = staging.host(), len(scalars)
+        q_starts = out["q_starts"]
+        q_starts[0], q_starts[1: B + 1] = 0, n_q.cumsum()
+        n = int(q_starts[B])
         owner = np.repeat(np.arange(B), n_q)
-        local = np.arange(n) - q_starts[owner]
-        slot = first[owner] + local
-        committed = local < n_com[owner]
-        tables = out["block_tables"]
-        if B:
-            flat = np.fromiter(itertools.chain.from_iterable(r.blocks for r in requests), dtype=np.int32,
-                               count=int(n_blocks.sum()))
-            row = np.repeat(np.arange(B), n_blocks)
-            tables[row, np.arange(flat.size) - np.repeat(np.cumsum(n_blocks) - n_blocks, n_blocks)] = flat
-        out["causal"][:n] = np.where(committed, slot + 1, tree_start[owner])
-        out["write_blocks"][:n] = tables[owner, slot // block_size]
+        slot = np.arange(n) + (first - q_starts[:B])[owner]
+        starts = tree_start[owner]
+        out["causal"][:n] = np.minimum(slot + 1, starts)  # committed tokens: causally; tree nodes: the prefix
+        w = int(n_blocks.max(initial=0))
+        out["block_tables"][:B, :w] = tables[row, :w]
+        out["write_blocks"][:n] = out["block_tables"][owner, slot // block_size]
         out["write_offsets"][:n] = slot % block_size
         out["query_requests"][:n] = owner
         bits = out["tree_bits"]
         bits[:n] = 0
-        depth = np.zeros(n, dtype=np.int64)
+        depth = slot - starts + 1  # a tree node's is set below; a committed token's (<= 0) makes its position its slot
         if n_tree.any():  # only the words the largest tree uses; the rest stay zero
-            parents = np.fromiter(itertools.chain.from_iterable(r.tree_parents for r in requests), dtype=np.int64,
-                                  count=int(n_nodes.sum()))
-            rows = ancestor_words(parents, n_nodes, int(-(-n_nodes.max() // 32)))
-            if (n_nodes > n_tree).any():  # some trees were cached in part (grown level by level): their new nodes
-                new = np.cumsum(n_nodes) - n_tree  # each request's first new node
-                rows = rows[np.repeat(new, n_tree) + np.arange(int(n_tree.sum())) - np.repeat(np.cumsum(n_tree) - n_tree, n_tree)]
-            tree = np.flatnonzero(~committed)
+            rows = ancestor_words(trees, n_nodes, -(-int(n_nodes.max()) // 32), n_tree)
+            tree = np.flatnonzero(depth > 0)
             bits[tree, : rows.shape[1]] = rows.view(np.int32)
             depth[tree] = np.bitwise_count(rows).sum(1)  # ancestors and itself
-        seq_lens, starts = out["seq_lens"], out["tree_starts"]
-        seq_lens[:B], starts[:B], out["q_starts"][: B + 1] = end, tree_start, q_starts
-        has_tree = bool(np.any(end > tree_start))
-        max_queries, max_seq_len = int(n_q.max(initial=0)), int(end.max(initial=0))
-        if capacity is not None:  # empty slots, then the padding request: no keys, writes to the trash block
-            pad = capacity.queries - n
-            out["causal"][n:] = 0
-            out["write_blocks"][n:] = capacity.trash_block
-            out["write_offsets"][n:] = np.arange(pad) % block_size
-            out["query_requests"][n:] = capacity.requests - 1
-            seq_lens[B:], starts[B:] = 0, 0
-            out["q_starts"][B + 1:] = n
-            out["q_starts"][-1] = capacity.queries
-            has_tree, max_queries, max_seq_len = True, capacity.queries, capacity.blocks * block_size
-        host = dict(max_queries=max_queries, max_seq_len=max_seq_len, has_tree=has_tree,
-                    host_q_starts=out["q_starts"], host_seq_lens=seq_lens)
-        return host, Queries(owner, local, slot, committed, depth)
+        seq_lens = out["seq_lens"]
+        seq_lens[:B], out["tree_starts"][:B] = end, tree_start
+        if capacity is None:
+            host = dict(max_queries=int(n_q.max(initial=0)), max_seq_len=int(end.max(initial=0)),
+                        has_tree=bool(np.any(end > tree_start)))
+        else:  # empty slots, then the padding request: no keys, writes to the trash block
+            padded = staging.claim("queries", n)
+            if padded > n:
+                out["causal"][n:padded] = 0
+                out["write_blocks"][n:padded] = capacity.trash_block
+                out["write_offsets"][n:padded] = np.arange(n, min(padded, capacity.queries)) % block_size
+                out["query_requests"][n:padded] = capacity.requests - 1
+            padded = staging.claim("requests", B)
+            if padded > B:
+                seq_lens[B:padded], out["tree_starts"][B:padded] = 0, 0
+            q_starts[B + 1:] = n
+            q_starts[-1] = capacity.queries
+            host = dict(max_queries=capacity.queries, max_seq_len=capacity.blocks * block_size, has_tree=True)
+        return dict(host, host_q_starts=q_starts, host_seq_lens=seq_lens), Queries(owner, slot, starts - 1 + depth)
+
+    @staticmethod
+    def check(scalars: np.ndarray, block_size: int) -> None:
+        """Refuse requests whose slots do not fit their blocks, or whose scratch tree does not fill
+        the slots from tree_start on with the new committed tokens ending where it starts."""
+        _, n_blocks, first, n_com, tree_start, n_tree, n_nodes = scalars.T
+        end = first + n_com + n_tree
+        overflow = end > n_blocks * block_size
+        misplaced = (end - tree_start != n_nodes) | ((n_com > 0) & (first + n_com != tree_start)) | (n_tree > n_nodes)
+        if (overflow | misplaced).any():
+            b = int(np.argmax(overflow | misplaced))
+            if overflow[b]:
+                raise ValueError(f"tree batch: {end[b]} slots do not fit {n_blocks[b]} blocks of {block_size}")
+            raise ValueError(f"tree batch: request {b}'s new committed tokens must lie just before its tree "
+                             f"(slots {first[b]}.. with {n_com[b]} committed and {n_tree[b]} of {n_nodes[b]} tree "
+                             f"nodes, the tree from slot {tree_start[b]})")
 
     @classmethod
     def build(cls, requests: list[RequestView], block_size: int, device: torch.device | str = "cpu",
               capacity: Capacity | None = None) -> "TreeBatch":
         """Lay the batch out on the host and copy it to the device in one copy."""
         scalars = request_scalars(requests)
-        needs = Needs.of(requests, scalars)
+        cls.check(scalars, block_size)
+        needs = Needs.of(scalars)
         if capacity is not None and not capacity.fits(needs):
             raise ValueError(f"tree batch: {needs} exceed the capacity {capacity}")
         staging = Staging(cls.shapes(needs, capacity), device, persistent=False)
-        host, _ = cls.pack(requests, scalars, block_size, staging.host(), capacity)
+        host, _ = cls.pack(scalars, [r.tree_parents for r in requests], block_table(requests), block_size, staging,
+                           capacity)
         return cls.from_device(staging.send([(0, staging.total)]), block_size, host)
 
     @classmethod

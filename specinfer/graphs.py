@@ -114,15 +114,12 @@ class StepRunner:
         for size in bucket_sizes(config.max_tokens):
             cap = Capacity(size, min(size, config.max_batch) + 1, blocks, math.ceil(config.max_tree / 32), trash)
             rows = min(size, config.max_rows)
-            self.buckets.append(_Bucket(cap, rows, Staging(self._empty().shapes(cap, rows), model.device)))
+            self.buckets.append(_Bucket(cap, rows, Staging(Layout.empty(self.pool).shapes(cap, rows), model.device)))
         self.sizes = [b.capacity.queries for b in self.buckets]
         if self.mode == "graphs":
             start = time.perf_counter()
             self._capture(progress)
             self.capture_s = time.perf_counter() - start
-
-    def _empty(self) -> Layout:
-        return Layout(self.pool, [], [])
 
     def _capture(self, progress: bool) -> None:
         """Capture every bucket's graph, largest first, in the process's graph pool, after running each
@@ -137,14 +134,14 @@ class StepRunner:
         with torch.cuda.stream(side):
             for bucket in tqdm(self.buckets, desc="warming up", disable=not progress):
                 for _ in range(2):
-                    self.model.run(self.model.prepare(self._empty(), capacity=bucket.capacity, staging=bucket.staging))
+                    self.model.run(self.model.prepare(Layout.empty(self.pool), capacity=bucket.capacity, staging=bucket.staging))
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         self.logits = torch.empty(self.buckets[-1].rows, self.model.cfg.vocab_size, device=self.model.device)
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
-            step = self.model.prepare(self._empty(), capacity=bucket.capacity, staging=bucket.staging)
+            step = self.model.prepare(Layout.empty(self.pool), capacity=bucket.capacity, staging=bucket.staging)
             bucket.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(bucket.graph, pool=graph_pool(self.model.device)):
                 self.logits[: bucket.rows].copy_(self.model.run(step))

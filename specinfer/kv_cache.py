@@ -7,7 +7,9 @@ requests' lengths; a request holds ceil(slots / block_size) blocks and gives the
 released (or garbage-collected).
 
 `KVCache` is one request's view: its token record as this model knows it (`tokens`), the block
-table, and the draft tree in scratch. Slots [0, length) hold committed tokens; slots
+table, and the draft tree in scratch. The pool also keeps every cache's block table in one numpy
+array (`KVPool.tables`, a row per cache, written when the cache takes blocks), so a batch gathers
+its requests' tables in one operation instead of converting a list per request. Slots [0, length) hold committed tokens; slots
 [length, length + n_tree) hold the current draft tree's nodes in the order they were added (DFS
 order for a verifier tree, level order for a tree an SSM is growing). After verification
 `commit(path)` moves the accepted nodes' entries to consecutive committed slots (no recomputation),
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
 import torch
 
 from .tree import TokenTree
@@ -48,6 +51,10 @@ class KVPool:
         self.v = torch.zeros_like(self.k)
         self.free: list[int] = list(range(n_blocks - 1, -1, -1))  # a stack: recently freed blocks are reused first
         self.reserved = 0  # blocks taken for good by the runtime (a graph's padding writes), never a request's
+        # row r: the block table of the cache holding row r, written as it takes blocks (columns past
+        # its blocks are stale: a batch reads only its slots' blocks); rows and columns grow as needed
+        self.tables = np.zeros((8, 64), dtype=np.int32)
+        self.free_rows: list[int] = list(range(7, -1, -1))
 
     @property
     def n_blocks(self) -> int:
@@ -76,6 +83,30 @@ class KVPool:
     def give_back(self, blocks: list[int]) -> None:
         self.free.extend(reversed(blocks))
 
+    def take_row(self) -> int:
+        """A row of `tables` for a new cache."""
+        if not self.free_rows:
+            n = len(self.tables)
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
+            self.free_rows.extend(range(2 * n - 1, n - 1, -1))  # in place: a finalizer may append meanwhile
+        return self.free_rows.pop()
+
+    def record(self, row: int, at: int, blocks: list[int]) -> None:
+        """Blocks a cache took: columns at.. of its row."""
+        end = at + len(blocks)
+        if end > self.tables.shape[1]:
+            wider = np.zeros((len(self.tables), max(end, 2 * self.tables.shape[1])), dtype=np.int32)
+            wider[:, : self.tables.shape[1]] = self.tables
+            self.tables = wider
+        table = self.tables[row]
+        for i, block in enumerate(blocks, at):  # mostly a block or two: faster than converting a list
+            table[i] = block
+
+    def drop(self, blocks: list[int], row: int) -> None:
+        """A dropped cache's blocks and row come back."""
+        self.give_back(blocks)
+        self.free_rows.append(row)
+
     def new_cache(self) -> "KVCache":
         return KVCache(self)
 
@@ -96,7 +127,8 @@ class KVCache:
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.blocks: list[int] = []  # block table: slot s is in blocks[s // block_size]
-        self._free = weakref.finalize(self, pool.give_back, self.blocks)  # a dropped cache returns its blocks
+        self.row = pool.take_row()  # its block table's row of pool.tables
+        self._free = weakref.finalize(self, pool.drop, self.blocks, self.row)  # a dropped cache returns its blocks
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
@@ -142,7 +174,9 @@ class KVCache:
         first = self.length + n_old
         end = first + n_new + len(tree_tokens)
         if end > len(self.blocks) * self.pool.block_size:
-            self.blocks += self.pool.allocate(self.blocks_to_grow(end))
+            taken = self.pool.allocate(self.blocks_to_grow(end))
+            self.pool.record(self.row, len(self.blocks), taken)
+            self.blocks += taken
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents

@@ -33,9 +33,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
-from specinfer_kernels import (Capacity, Needs, RequestView, Staging, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
+from specinfer_kernels import (Capacity, Needs, Staging, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
                                tree_attention)
-from specinfer_kernels.batch import Shapes, request_scalars
+from specinfer_kernels.batch import SCALARS, Shapes
 
 from .checkpoints import checkpoint_dir
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
@@ -240,21 +240,19 @@ class Layout:
 
     pool: KVPool
     tokens: list[int]  # [N] the new committed tokens and tree nodes, item by item
-    views: list[RequestView]  # what attention needs to know per item
+    scalars: np.ndarray  # [B, 7] what attention needs to know per item (`SCALARS`)
+    trees: list[list[int]]  # per item, its cache's scratch tree (parents)
+    n_rows: int  # rows that reach the LM head: per item its last new committed token's (if any) and its tree nodes'
 
-    @functools.cached_property
-    def scalars(self) -> np.ndarray:
-        return request_scalars(self.views)
+    @classmethod
+    def empty(cls, pool: KVPool) -> "Layout":
+        """No request: a padded step of nothing but padding (what a graph is captured with)."""
+        return cls(pool, [], np.zeros((0, len(SCALARS)), dtype=np.int64), [], 0)
 
     @functools.cached_property
     def needs(self) -> Needs:
         """What a capacity must hold for this batch."""
-        return Needs.of(self.views, self.scalars)
-
-    @functools.cached_property
-    def n_rows(self) -> int:
-        """Rows that reach the LM head: per item its last new committed token's (if any) and its tree nodes'."""
-        return int((self.scalars[:, 2] > 0).sum() + self.scalars[:, 4].sum())
+        return Needs.of(self.scalars)
 
     def shapes(self, capacity: Capacity | None = None, rows: int | None = None) -> Shapes:
         """The step's int32 fields (see `Staging`): its own, then the attention batch's; padded to
@@ -266,18 +264,22 @@ class Layout:
     def stage(self, staging: Staging, capacity: Capacity | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Write every field into `staging`'s host arrays (vectorized, see `TreeBatch.pack`), send
         what is used to the device, and return the device fields and the attention batch's host facts."""
-        out = staging.host()
-        host, q = TreeBatch.pack(self.views, self.scalars, self.pool.block_size, out, capacity)
-        n = len(self.tokens)
-        # a committed token's position is its slot; a tree node's, committed length - 1 + its depth
-        out["positions"][:n] = np.where(q.committed, q.slot, self.scalars[q.owner, 3] - 1 + q.depth)
-        wanted = np.flatnonzero(q.local >= np.maximum(self.scalars[:, 2] - 1, 0)[q.owner])
-        out["ids"][:n], out["wanted"][: len(wanted)] = self.tokens, wanted
+        host, q = TreeBatch.pack(self.scalars, self.trees, self.pool.tables, self.pool.block_size, staging, capacity)
+        out, n = staging.arrays, len(self.tokens)
+        n_com, tree_start = self.scalars[:, 3], self.scalars[:, 4]
+        # the rows that reach the LM head: from each item's last new committed token (or its tree) on
+        wanted = np.flatnonzero(q.slot >= (tree_start - (n_com > 0))[q.owner])
+        out["ids"][:n], out["positions"][:n], out["wanted"][: len(wanted)] = self.tokens, q.position, wanted
         if capacity is None:
             return staging.send([(0, staging.total)]), host
-        out["ids"][n:], out["positions"][n:], out["wanted"][len(wanted):] = 0, 0, 0
+        padded = staging.claim("tokens", n)  # padding: token 0 at position 0, and LM-head rows of row 0
+        if padded > n:
+            out["ids"][n:padded], out["positions"][n:padded] = 0, 0
+        padded = staging.claim("wanted", len(wanted))
+        if padded > len(wanted):
+            out["wanted"][len(wanted):padded] = 0
         bits_end = staging.span("tree_bits", n)[1]
-        return staging.send([(0, bits_end), staging.span("block_tables", len(self.views))]), host
+        return staging.send([(0, bits_end), staging.span("block_tables", len(self.scalars))]), host
 
 
 @dataclass
@@ -395,7 +397,13 @@ class LlamaModel(nn.Module):
         if staging is None:
             staging = Staging(layout.shapes(capacity), self.device, persistent=False)
         tensors, host = layout.stage(staging, capacity)
-        step = Step.from_device(tensors, layout.pool, host)
+        step = staging.kept.get("step") if capacity is not None else None
+        if step is None or step.pool is not layout.pool:  # a padded step's host facts are its capacity's: made once
+            step = Step.from_device(tensors, layout.pool, host)
+            if capacity is not None:
+                staging.kept["step"] = step
+        else:
+            step.batch.renew()
         if ids is not None:
             assert ids.shape == (len(layout.tokens),), (ids.shape, len(layout.tokens))
             if capacity is None:
@@ -407,16 +415,20 @@ class LlamaModel(nn.Module):
     def layout(self, items: list[StepInput]) -> Layout:
         """Extend every item's cache and lay the batch out on the host."""
         pool = items[0].cache.pool
-        assert all(it.cache.pool is pool for it in items), "one forward pass runs on one KV pool"
-        tokens, views = [], []
+        tokens, values, trees, n_rows = [], [], [], 0
         for it in items:
             cache = it.cache
-            first = cache.extend(len(it.new_tokens), it.tree_tokens, it.tree_parents)
+            if cache.pool is not pool:
+                raise ValueError("one forward pass runs on one KV pool")
+            n_new, n_tree = len(it.new_tokens), len(it.tree_tokens)
+            first = cache.extend(n_new, it.tree_tokens, it.tree_parents)
             tokens += it.new_tokens
             tokens += it.tree_tokens
-            views.append(RequestView(cache.blocks, first, len(it.new_tokens), cache.length, cache.tree.parents,
-                                     len(it.tree_tokens)))
-        return Layout(pool, tokens, views)
+            values += (cache.row, len(cache.blocks), first, n_new, cache.length, n_tree, len(cache.tree.parents))
+            trees.append(cache.tree.parents)
+            n_rows += (n_new > 0) + n_tree
+        scalars = np.fromiter(values, dtype=np.int64, count=len(values)).reshape(-1, len(SCALARS))
+        return Layout(pool, tokens, scalars, trees, n_rows)
 
     @torch.no_grad()
     def run(self, step: Step) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig, StepRunner, bucket_sizes
-from specinfer.model import LlamaModel
+from specinfer.model import Layout, LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree
@@ -152,7 +152,7 @@ def test_a_step_of_padding_only_writes_nothing_a_request_holds():
     bucket = verifier.run.buckets[-1]
     verifier.pool.k[:, bucket.capacity.trash_block] = 0  # the prefill's padding wrote there already
     before = verifier.pool.k.clone()
-    layout = verifier.run._empty()
+    layout = Layout.empty(verifier.pool)
     logits = llm.run(llm.prepare(layout, capacity=bucket.capacity, staging=bucket.staging))
     changed = (verifier.pool.k != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()  # blocks
     # ssm-0 drafts from its draft vocabulary: its other tokens' logits are -inf by design

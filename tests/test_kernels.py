@@ -93,6 +93,13 @@ def test_visible_keys_are_the_prefix_plus_exactly_each_nodes_ancestors_over_many
     assert torch.equal(batch.visible(305).cpu(), want)
 
 
+def test_a_batch_refuses_slots_past_its_blocks_and_committed_tokens_after_its_tree():
+    with pytest.raises(ValueError, match="17 slots do not fit 1 blocks of 16"):
+        TreeBatch.build([RequestView([0], 10, 7, 17, [], 0)], 16)
+    with pytest.raises(ValueError, match="must lie just before its tree"):
+        TreeBatch.build([RequestView([0, 1], 10, 2, 14, [-1, 0], 2)], 16)
+
+
 @pytest.mark.parametrize("committed,old,new,shape", [
     (5, 0, 0, "chain"),  # prefill
     (1, 0, 9, "random"),  # the bonus token plus a tree

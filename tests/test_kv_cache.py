@@ -46,6 +46,27 @@ def test_blocks_are_taken_as_slots_grow_and_given_back():
     assert len(pool.free) == 8, "a dropped cache returns its blocks"
 
 
+def test_the_pools_table_of_block_tables_holds_every_live_caches_blocks():
+    """`KVPool.tables` (what a batch gathers its block tables from) agrees with each cache's own
+    list as caches outgrow its rows (8 at first) and columns (64), and a dropped cache's row is
+    reused."""
+    pool = KVPool(1, 1, 4, torch.float32, tokens=400 * 4, block_size=4)
+    caches = [pool.new_cache() for _ in range(12)]
+    for i, cache in enumerate(caches):
+        cache.extend(3 + 7 * i, [], [])
+    caches[-1].extend(0, list(range(250)), [-1] * 250)  # 331 slots: 83 blocks
+    caches[-1].commit([4])
+    assert len({c.row for c in caches}) == 12 and pool.tables.shape[1] >= 83
+    for cache in caches:
+        assert pool.tables[cache.row, : len(cache.blocks)].tolist() == cache.blocks
+    row = caches[5].row
+    del caches[5]
+    gc.collect()
+    again = pool.new_cache()
+    again.extend(9, [], [])
+    assert again.row == row and pool.tables[row, :3].tolist() == again.blocks
+
+
 def entries(pool: KVPool, cache, slots) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V entries [layers, len(slots), Hkv, D] of a cache's slots."""
     at = cache.pool_slots(slots)

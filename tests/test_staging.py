@@ -17,9 +17,9 @@ import random
 import torch
 
 from specinfer.graphs import GraphConfig, StepRunner
-from specinfer.model import LlamaModel, StepInput
+from specinfer.model import Layout, LlamaModel, StepInput
 from specinfer_bench.kernel import random_tree
-from specinfer_kernels import Staging
+from specinfer_kernels import Capacity, Staging
 
 from .conftest import MODELS
 from .test_graphs import STATIC, verifier_steps
@@ -76,3 +76,31 @@ def test_positions_of_tree_nodes_are_the_committed_length_less_one_plus_their_de
         want += list(range(len(item.new_tokens))) + [cache.length - 1 + depth[u] for u in range(len(item.tree_parents))]
     assert bucket is not None and step.positions[: len(want)].tolist() == want
     assert torch.equal(step.positions[len(want):], torch.zeros_like(step.positions[len(want):]))
+
+
+def test_a_reused_buffer_holds_the_padding_wherever_the_step_has_none():
+    """A padded step rewrites only the padding rows an earlier, larger step used (`Staging.claim`):
+    after steps that shrink and grow through one buffer, every row past the step's own is padding,
+    exactly as in a fresh buffer (no keys, writes to the trash block, token 0, LM-head row 0)."""
+    llm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    pool = llm.new_pool(4096)
+    cap = Capacity(96, 5, 16, 2, pool.reserve())
+    staging = Staging(Layout.empty(pool).shapes(cap), "cpu")
+    rng = random.Random(5)
+    for batch in ([(5, 0), (7, 30), (4, 40)], [(3, 6)], [(9, 0), (2, 12), (6, 3)], [(1, 0)]):
+        items = []
+        for prompt, nodes in batch:
+            cache = pool.new_cache()
+            cache.tokens = list(range(prompt))
+            items.append(StepInput(cache, cache.pending, [1] * nodes, random_tree(rng, nodes, 3).parents))
+        layout = llm.layout(items)
+        llm.prepare(layout, capacity=cap, staging=staging)
+        n, b, rows, out = len(layout.tokens), len(items), layout.n_rows, staging.arrays
+        assert out["causal"][n:].tolist() == [0] * (cap.queries - n)
+        assert out["write_blocks"][n:].tolist() == [cap.trash_block] * (cap.queries - n)
+        assert out["write_offsets"][n:].tolist() == [j % pool.block_size for j in range(n, cap.queries)]
+        assert out["query_requests"][n:].tolist() == [cap.requests - 1] * (cap.queries - n)
+        assert out["seq_lens"][b:].tolist() == out["tree_starts"][b:].tolist() == [0] * (cap.requests - b)
+        assert out["q_starts"][b + 1:].tolist() == [n] * (cap.requests - b - 1) + [cap.queries]
+        assert out["ids"][n:].tolist() == out["positions"][n:].tolist() == [0] * (cap.queries - n)
+        assert out["wanted"][rows:].tolist() == [0] * (cap.queries - rows)

@@ -8,7 +8,7 @@ import pytest
 from specinfer.tree import (TokenTree, accepted_nodes, depths, dfs_order, merge, parse_expansion,
                             proposers, reorder)
 
-from specinfer_kernels.batch import ancestor_words
+from specinfer_kernels.batch import SMALL_TREES, ancestor_words
 
 from .conftest import path_to
 
@@ -100,21 +100,38 @@ def test_parents_must_precede_children():
         TokenTree([1, 2], [1, -1])
 
 
-def test_ancestor_words_mark_exactly_ancestors_and_self_for_many_trees_at_once():
-    """One call over trees of every shape (a root alone, a 100-deep chain, 150 wide, random ones of
-    up to 300 nodes: 10 words): each node's row is its path from the root, its depth the row's bits."""
+def ancestor_cases() -> dict[str, tuple[list[TokenTree], int]]:
+    """Trees of every shape, and their words: over SMALL_TREES nodes in all (numpy's rounds: a root
+    alone, a 100-deep chain, 150 wide, random ones of up to 300 nodes, 10 words), and under it (the
+    Python loop: up to 64 nodes each, 2 words)."""
     rng = random.Random(7)
-    trees = [random_tree(rng, 1), TokenTree(list(range(100)), list(range(-1, 99))),
-             TokenTree(list(range(150)), [-1] * 150), *(random_tree(rng, n) for n in (14, 300, 33))]
-    rows = ancestor_words(np.array([p for t in trees for p in t.parents]), np.array([len(t) for t in trees]), 10)
+    many = [random_tree(rng, 1), TokenTree(list(range(100)), list(range(-1, 99))),
+            TokenTree(list(range(150)), [-1] * 150), *(random_tree(rng, n) for n in (14, 300, 33))]
+    few = [random_tree(rng, 1), TokenTree(list(range(40)), list(range(-1, 39))), random_tree(rng, 64),
+           random_tree(rng, 16)]
+    return {"many": (many, 10), "few": (few, 2)}
+
+
+@pytest.mark.parametrize("case", ["many", "few"])
+def test_ancestor_words_mark_exactly_ancestors_and_self_for_many_trees_at_once(case):
+    """One call over many trees: each node's row is its path from the root, its depth the row's bits."""
+    trees, words = ancestor_cases()[case]
+    assert (sum(map(len, trees)) <= SMALL_TREES) == (case == "few")
+    rows = ancestor_words([t.parents for t in trees], np.array([len(t) for t in trees]), words)
+    assert rows.shape == (sum(map(len, trees)), words) and rows.dtype == np.uint32
     at = 0
     for t in trees:
         for u in range(len(t)):
-            bits = {32 * w + b for w in range(10) for b in range(32) if int(rows[at + u, w]) >> b & 1}
+            bits = {32 * w + b for w in range(words) for b in range(32) if int(rows[at + u, w]) >> b & 1}
             assert bits == set(path_to(t, u)) and len(bits) == depths(t.parents)[u]
         at += len(t)
+    last = np.array([random.Random(len(t)).randint(0, len(t)) for t in trees])  # a tree's nodes added last
+    tails = np.concatenate([rows[end - k: end] for end, k in zip(np.cumsum([len(t) for t in trees]), last)])
+    assert np.array_equal(ancestor_words([t.parents for t in trees], np.array([len(t) for t in trees]), words, last), tails)
 
 
-def test_ancestor_words_refuse_a_parent_after_its_child():
-    with pytest.raises(ValueError, match="node 2 of a tree has parent 2"):
-        ancestor_words(np.array([-1, 0, 2]), np.array([3]), 1)
+@pytest.mark.parametrize("size", [3, SMALL_TREES + 1])
+def test_ancestor_words_refuse_a_parent_after_its_child(size):
+    parents = [-1, *range(size - 2), size - 1]
+    with pytest.raises(ValueError, match=f"node {size - 1} of a tree has parent {size - 1}"):
+        ancestor_words([parents], np.array([size]), -(-size // 32))
