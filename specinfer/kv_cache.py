@@ -63,8 +63,9 @@ class KVPool:
 
     def reserve(self) -> int:
         """Take one block for good, out of what requests can ever hold."""
+        self.check_room(1)
         self.reserved += 1
-        return self.allocate(1)[0]
+        return self.free.pop()
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block_size)
@@ -73,12 +74,6 @@ class KVPool:
         if blocks > len(self.free):
             raise CacheFull(f"kv cache full: a step needs {blocks} more blocks of {self.block_size} tokens, "
                             f"{len(self.free)} of {self.n_blocks} are free")
-
-    def allocate(self, blocks: int) -> list[int]:
-        self.check_room(blocks)
-        taken = self.free[len(self.free) - blocks:]
-        del self.free[len(self.free) - blocks:]
-        return taken[::-1]
 
     def give_back(self, blocks: list[int]) -> None:
         self.free.extend(reversed(blocks))
@@ -91,16 +86,19 @@ class KVPool:
             self.free_rows.extend(range(2 * n - 1, n - 1, -1))  # in place: a finalizer may append meanwhile
         return self.free_rows.pop()
 
-    def record(self, row: int, at: int, blocks: list[int]) -> None:
-        """Blocks a cache took: columns at.. of its row."""
-        end = at + len(blocks)
+    def grow(self, row: int, blocks: list[int], slots: int) -> None:
+        """Append to a cache's block table (`blocks`, and its row of `tables`) the blocks it lacks
+        for `slots` slots."""
+        at, end = len(blocks), -(-slots // self.block_size)
+        self.check_room(end - at)
         if end > self.tables.shape[1]:
             wider = np.zeros((len(self.tables), max(end, 2 * self.tables.shape[1])), dtype=np.int32)
             wider[:, : self.tables.shape[1]] = self.tables
             self.tables = wider
         table = self.tables[row]
-        for i, block in enumerate(blocks, at):  # mostly a block or two: faster than converting a list
-            table[i] = block
+        for i in range(at, end):  # mostly a block or two: one at a time is faster than converting lists
+            table[i] = block = self.free.pop()
+            blocks.append(block)
 
     def drop(self, blocks: list[int], row: int) -> None:
         """A dropped cache's blocks and row come back."""
@@ -174,9 +172,7 @@ class KVCache:
         first = self.length + n_old
         end = first + n_new + len(tree_tokens)
         if end > len(self.blocks) * self.pool.block_size:
-            taken = self.pool.allocate(self.blocks_to_grow(end))
-            self.pool.record(self.row, len(self.blocks), taken)
-            self.blocks += taken
+            self.pool.grow(self.row, self.blocks, end)
         self.length += n_new
         self.tree.tokens += tree_tokens
         self.tree.parents += tree_parents

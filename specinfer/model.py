@@ -266,9 +266,13 @@ class Layout:
         what is used to the device, and return the device fields and the attention batch's host facts."""
         host, q = TreeBatch.pack(self.scalars, self.trees, self.pool.tables, self.pool.block_size, staging, capacity)
         out, n = staging.arrays, len(self.tokens)
-        n_com, tree_start = self.scalars[:, 3], self.scalars[:, 4]
-        # the rows that reach the LM head: from each item's last new committed token (or its tree) on
-        wanted = np.flatnonzero(q.slot >= (tree_start - (n_com > 0))[q.owner])
+        # the rows that reach the LM head: from each item's last new committed token (or its tree)
+        # on; every row unless an item brings several committed tokens (a prefill)
+        if self.n_rows == n:
+            wanted = np.arange(n)
+        else:
+            n_com, tree_start = self.scalars[:, 3], self.scalars[:, 4]
+            wanted = np.flatnonzero(q.slot >= (tree_start - (n_com > 0))[q.owner])
         out["ids"][:n], out["positions"][:n], out["wanted"][: len(wanted)] = self.tokens, q.position, wanted
         if capacity is None:
             return staging.send([(0, staging.total)]), host
