@@ -9,11 +9,12 @@ released (or garbage-collected).
 `KVCache` is one request's view: its token record as this model knows it (`tokens`), the block
 table, and the draft tree in scratch. The pool also keeps every cache's block table in one numpy
 array (`KVPool.tables`, a row per cache, written when the cache takes blocks), so a batch gathers
-its requests' tables in one operation instead of converting a list per request. Slots [0, length) hold committed tokens; slots
-[length, length + n_tree) hold the current draft tree's nodes in the order they were added (DFS
-order for a verifier tree, level order for a tree an SSM is growing). After verification
-`commit(path)` moves the accepted nodes' entries to consecutive committed slots (no recomputation),
-drops the rest of the tree, and returns blocks that no longer hold anything.
+its requests' tables in one operation instead of converting a list per request. Slots
+[0, length) hold committed tokens; slots [length, length + n_tree) hold the current draft tree's
+nodes in the order they were added (DFS order for a verifier tree, level order for a tree an SSM is
+growing). After verification `commit(path)` moves the accepted nodes' entries to consecutive
+committed slots (no recomputation), drops the rest of the tree, and returns blocks that no longer
+hold anything.
 
 Which earlier slots each new query may attend to (committed tokens causally, tree nodes every
 committed slot plus their own ancestors and themselves) the batch works out from the scratch tree's
