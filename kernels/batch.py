@@ -305,6 +305,8 @@ class TreeBatch:
         q_starts = out["q_starts"]
         q_starts[0], q_starts[1: B + 1] = 0, n_q.cumsum()
         n = int(q_starts[B])
+        if capacity is not None:  # first (a step that fails below leaves no row unclaimed): the padding
+            TreeBatch._pad(staging, capacity, block_size, n, B)
         owner = np.repeat(np.arange(B), n_q)
         slot = np.arange(n) + (first - q_starts[:B])[owner]
         starts = tree_start[owner]
@@ -327,20 +329,26 @@ class TreeBatch:
         if capacity is None:
             host = dict(max_queries=int(n_q.max(initial=0)), max_seq_len=int(end.max(initial=0)),
                         has_tree=bool(np.any(end > tree_start)))
-        else:  # empty slots, then the padding request: no keys, writes to the trash block
-            padded = staging.claim("queries", n)
-            if padded > n:
-                out["causal"][n:padded] = 0
-                out["write_blocks"][n:padded] = capacity.trash_block
-                out["write_offsets"][n:padded] = np.arange(n, min(padded, capacity.queries)) % block_size
-                out["query_requests"][n:padded] = capacity.requests - 1
-            padded = staging.claim("requests", B)
-            if padded > B:
-                seq_lens[B:padded], out["tree_starts"][B:padded] = 0, 0
-            q_starts[B + 1:] = n
-            q_starts[-1] = capacity.queries
+        else:
             host = dict(max_queries=capacity.queries, max_seq_len=capacity.blocks * block_size, has_tree=True)
         return dict(host, host_q_starts=q_starts, host_seq_lens=seq_lens), Queries(owner, slot, starts - 1 + depth)
+
+    @staticmethod
+    def _pad(staging: Staging, capacity: Capacity, block_size: int, n: int, B: int) -> None:
+        """A padded step's empty request slots, then the padding request: no keys, its queries
+        (rows n..) write to the trash block. Rewritten only where an earlier step used the rows."""
+        out = staging.arrays
+        padded = staging.claim("queries", n)
+        if padded > n:
+            out["causal"][n:padded] = 0
+            out["write_blocks"][n:padded] = capacity.trash_block
+            out["write_offsets"][n:padded] = np.arange(n, min(padded, capacity.queries)) % block_size
+            out["query_requests"][n:padded] = capacity.requests - 1
+        padded = staging.claim("requests", B)
+        if padded > B:
+            out["seq_lens"][B:padded], out["tree_starts"][B:padded] = 0, 0
+        out["q_starts"][B + 1:] = n
+        out["q_starts"][-1] = capacity.queries
 
     @staticmethod
     def check(scalars: np.ndarray, block_size: int) -> None:

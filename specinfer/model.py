@@ -273,15 +273,16 @@ class Layout:
         else:
             n_com, tree_start = self.scalars[:, 3], self.scalars[:, 4]
             wanted = np.flatnonzero(q.slot >= (tree_start - (n_com > 0))[q.owner])
+        if capacity is not None:  # padding (before the step's rows: see `TreeBatch._pad`): token 0 at position 0, LM-head row 0
+            padded = staging.claim("tokens", n)
+            if padded > n:
+                out["ids"][n:padded], out["positions"][n:padded] = 0, 0
+            padded = staging.claim("wanted", len(wanted))
+            if padded > len(wanted):
+                out["wanted"][len(wanted):padded] = 0
         out["ids"][:n], out["positions"][:n], out["wanted"][: len(wanted)] = self.tokens, q.position, wanted
         if capacity is None:
             return staging.send([(0, staging.total)]), host
-        padded = staging.claim("tokens", n)  # padding: token 0 at position 0, and LM-head rows of row 0
-        if padded > n:
-            out["ids"][n:padded], out["positions"][n:padded] = 0, 0
-        padded = staging.claim("wanted", len(wanted))
-        if padded > len(wanted):
-            out["wanted"][len(wanted):padded] = 0
         bits_end = staging.span("tree_bits", n)[1]
         return staging.send([(0, bits_end), staging.span("block_tables", len(self.scalars))]), host
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from specinfer.graphs import GraphConfig, StepRunner
@@ -80,20 +81,29 @@ def test_positions_of_tree_nodes_are_the_committed_length_less_one_plus_their_de
 
 def test_a_reused_buffer_holds_the_padding_wherever_the_step_has_none():
     """A padded step rewrites only the padding rows an earlier, larger step used (`Staging.claim`):
-    after steps that shrink and grow through one buffer, every row past the step's own is padding,
-    exactly as in a fresh buffer (no keys, writes to the trash block, token 0, LM-head row 0)."""
+    after steps that shrink and grow through one buffer, and after a large one refused halfway (a
+    parent after its child), every row past the step's own is padding, exactly as in a fresh buffer
+    (no keys, writes to the trash block, token 0, LM-head row 0)."""
     llm = LlamaModel.from_pretrained(MODELS / "ssm-0")
     pool = llm.new_pool(4096)
     cap = Capacity(96, 5, 16, 2, pool.reserve())
     staging = Staging(Layout.empty(pool).shapes(cap), "cpu")
     rng = random.Random(5)
-    for batch in ([(5, 0), (7, 30), (4, 40)], [(3, 6)], [(9, 0), (2, 12), (6, 3)], [(1, 0)]):
+    refused = [(2, 0), (3, 60)]  # its last node's parent comes after it
+    for batch in ([(5, 0), (7, 30), (4, 40)], [(3, 6)], refused, [(9, 0), (2, 12), (6, 3)], [(1, 0)]):
         items = []
         for prompt, nodes in batch:
             cache = pool.new_cache()
             cache.tokens = list(range(prompt))
-            items.append(StepInput(cache, cache.pending, [1] * nodes, random_tree(rng, nodes, 3).parents))
+            parents = random_tree(rng, nodes, 3).parents
+            if batch is refused and nodes:
+                parents[-1] = nodes
+            items.append(StepInput(cache, cache.pending, [1] * nodes, parents))
         layout = llm.layout(items)
+        if batch is refused:
+            with pytest.raises(ValueError, match="parents must precede children"):
+                llm.prepare(layout, capacity=cap, staging=staging)
+            continue
         llm.prepare(layout, capacity=cap, staging=staging)
         n, b, rows, out = len(layout.tokens), len(items), layout.n_rows, staging.arrays
         assert out["causal"][n:].tolist() == [0] * (cap.queries - n)
