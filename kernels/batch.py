@@ -292,13 +292,13 @@ class TreeBatch:
 
     @staticmethod
     def pack(scalars: np.ndarray, trees: list[list[int]], tables: np.ndarray, block_size: int, staging: Staging,
-             capacity: Capacity | None = None) -> tuple[dict, "Queries"]:
+             needs: Needs, capacity: Capacity | None = None) -> tuple[dict, "Queries"]:
         """Write the batch's fields into `staging`'s host arrays (shaped by `shapes`), vectorized over
         queries: scalars [B, 7] (`SCALARS`, consistent as `check` says: a KV cache's are by
         construction), each request's scratch tree (its parents, checked here), and the table of
-        block tables whose rows `scalars` names. Returns the attention batch's host facts and what
+        block tables whose rows `scalars` names; `needs`: `Needs.of(scalars)`. Returns the attention batch's host facts and what
         the host knows of each query."""
-        row, n_blocks, first, n_com, tree_start, n_tree, n_nodes = scalars.T
+        row, _, first, n_com, tree_start, n_tree, n_nodes = scalars.T
         n_q = n_com + n_tree
         end = first + n_q
         out, B = staging.host(), len(scalars)
@@ -311,8 +311,7 @@ class TreeBatch:
         slot = np.arange(n) + (first - q_starts[:B])[owner]
         starts = tree_start[owner]
         out["causal"][:n] = np.minimum(slot + 1, starts)  # committed tokens: causally; tree nodes: the prefix
-        w = int(n_blocks.max(initial=0))
-        out["block_tables"][:B, :w] = tables[row, :w]
+        out["block_tables"][:B, : needs.blocks] = tables[row, : needs.blocks]
         out["write_blocks"][:n] = out["block_tables"][owner, slot // block_size]
         out["write_offsets"][:n] = slot % block_size
         out["query_requests"][:n] = owner
@@ -320,7 +319,7 @@ class TreeBatch:
         bits[:n] = 0
         depth = slot - starts + 1  # a tree node's is set below; a committed token's (<= 0) makes its position its slot
         if n_tree.any():  # only the words the largest tree uses; the rest stay zero
-            rows = ancestor_words(trees, n_nodes, -(-int(n_nodes.max()) // 32), n_tree)
+            rows = ancestor_words(trees, n_nodes, needs.words, n_tree)
             tree = np.flatnonzero(depth > 0)
             bits[tree, : rows.shape[1]] = rows.view(np.int32)
             depth[tree] = np.bitwise_count(rows).sum(1)  # ancestors and itself
@@ -377,7 +376,7 @@ class TreeBatch:
             raise ValueError(f"tree batch: {needs} exceed the capacity {capacity}")
         staging = Staging(cls.shapes(needs, capacity), device, persistent=False)
         host, _ = cls.pack(scalars, [r.tree_parents for r in requests], block_table(requests), block_size, staging,
-                           capacity)
+                           needs, capacity)
         return cls.from_device(staging.send([(0, staging.total)]), block_size, host)
 
     @classmethod

@@ -90,7 +90,7 @@ class KVPool:
     def grow(self, row: int, blocks: list[int], slots: int) -> None:
         """Append to a cache's block table (`blocks`, and its row of `tables`) the blocks it lacks
         for `slots` slots."""
-        at, end = len(blocks), -(-slots // self.block_size)
+        at, end = len(blocks), self.blocks_for(slots)
         self.check_room(end - at)
         if end > self.tables.shape[1]:
             wider = np.zeros((len(self.tables), max(end, 2 * self.tables.shape[1])), dtype=np.int32)

@@ -121,7 +121,7 @@ class StepInput:
     tree_tokens: list[int]  # draft nodes to add to the cache's scratch tree
     tree_parents: list[int]  # their parents, indexing the whole scratch tree (-1: the root)
 
-    @functools.cached_property
+    @property  # not cached: functools.cached_property takes a lock, dearer than the sum
     def n_rows(self) -> int:
         """Rows of this item in the forward's logits: the last new committed token's (if any), then
         one per new tree node."""
@@ -264,7 +264,8 @@ class Layout:
     def stage(self, staging: Staging, capacity: Capacity | None = None) -> tuple[dict[str, torch.Tensor], dict]:
         """Write every field into `staging`'s host arrays (vectorized, see `TreeBatch.pack`), send
         what is used to the device, and return the device fields and the attention batch's host facts."""
-        host, q = TreeBatch.pack(self.scalars, self.trees, self.pool.tables, self.pool.block_size, staging, capacity)
+        host, q = TreeBatch.pack(self.scalars, self.trees, self.pool.tables, self.pool.block_size, staging, self.needs,
+                                 capacity)
         out, n = staging.arrays, len(self.tokens)
         # the rows that reach the LM head: from each item's last new committed token (or its tree)
         # on; every row unless an item brings several committed tokens (a prefill)
@@ -431,7 +432,7 @@ class LlamaModel(nn.Module):
             tokens += it.tree_tokens
             values += (cache.row, len(cache.blocks), first, n_new, cache.length, n_tree, len(cache.tree.parents))
             trees.append(cache.tree.parents)
-            n_rows += (n_new > 0) + n_tree
+            n_rows += it.n_rows
         scalars = np.fromiter(values, dtype=np.int64, count=len(values)).reshape(-1, len(SCALARS))
         return Layout(pool, tokens, scalars, trees, n_rows)
 
