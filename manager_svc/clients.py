@@ -54,8 +54,9 @@ class VerifierClient:
         """The verifier's model info, waiting up to `wait` seconds for it to come up."""
         return await self.stub.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=wait, wait_for_ready=True)
 
-    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int]:
-        """Accepted tokens per request, and the verifier's step time in ns."""
+    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int, dict]:
+        """Accepted tokens per request, the verifier's step time in ns, and no features (the wire
+        carries none yet: speculator services draft from tokens)."""
         request = verifier_pb2.VerifyRequest(
             release=[self.namespace + rid for rid in release],
             items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
@@ -82,7 +83,7 @@ class VerifierClient:
         except (asyncio.InvalidStateError, ConnectionError) as e:  # the stream ended before or without an answer
             self._drop(steps)
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
-        return [list(r.token_ids) for r in response.results], response.step_ns
+        return [list(r.token_ids) for r in response.results], response.step_ns, {}
 
     def _drop(self, steps) -> None:
         steps.cancel()
@@ -136,6 +137,7 @@ class SpeculatorClient:
         self.to_release: set[str] = set()
         self.retry_at = 0.0
         self.draft_ns = 0  # the speculator's own time in the last exchange
+        self.wants_features = False
 
     @property
     def connected(self) -> bool:

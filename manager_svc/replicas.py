@@ -37,6 +37,7 @@ class SpeculatorReplicas:
         self.replicas: dict[str, SpeculatorClient] = {}
         self.assigned: dict[str, SpeculatorClient] = {}  # request id -> its replica
         self.draft_ns = 0  # the slowest replica's own time in the last exchange
+        self.wants_features = False
 
     @property
     def connected(self) -> bool:

@@ -60,6 +60,7 @@ BONUS_DRAW = 1 << 16  # the draw counter of the bonus token (real draws of a nod
 class Verdict:
     path: list[int]  # accepted node indices, the root's child first
     tokens: list[int]  # the accepted nodes' tokens followed by the bonus token
+    features: "Features | None" = None  # the committed rows' features, for a request that asked (verifier.py)
 
 
 def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[int],

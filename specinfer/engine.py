@@ -61,6 +61,8 @@ class Draft:
     record: list[int]  # prompt + committed tokens; the last one is the tree's root
     expansion: list[int]
     sampling: SamplingParams
+    features: list = field(default_factory=list)  # for feature drafters: the verifier's features of the
+    # record's rows since they last drafted for the request, as it returned them (in order)
 
 
 @dataclass
@@ -72,12 +74,14 @@ class Check:
     record_length: int  # the record's length with them
     tree: TokenTree
     sampling: SamplingParams
+    features: bool = False  # return the features of the rows the step commits (a feature drafter drafts for it)
 
 
 class Drafter(Protocol):
     """Draft trees for many requests at once: an SSM in this process or a speculator service."""
 
     draft_ns: int  # the drafter's own time in its last draft (0: not known)
+    wants_features: bool  # a feature drafter: its drafts carry the LLM's features (Draft.features)
 
     @property
     def connected(self) -> bool: ...
@@ -93,8 +97,9 @@ class Drafter(Protocol):
 
 
 class VerifierBackend(Protocol):
-    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[list[int]], int]:
-        """Each request's emitted tokens (accepted path + bonus) and the step's own time in ns, after
+    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[list[int]], int, dict[str, object]]:
+        """Each request's emitted tokens (accepted path + bonus), the step's own time in ns, and by
+        request id the features of the committed rows of the checks that asked for them, after
         forgetting the `release` requests. Raises VerifierUnavailable or VerifierLost."""
 
     async def release(self, request_ids: list[str]) -> None: ...
@@ -131,6 +136,7 @@ class Sequence:
     verifier_has: int = 0  # tokens of the record the verifier holds
     resyncs: int = 0
     context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
+    features: list = field(default_factory=list)  # the verifier's features the feature drafters have not had yet
 
     @property
     def id(self) -> str:
@@ -208,6 +214,7 @@ class SpeculativeEngine:
         self.lookup = lookup  # context lookup joins the drafters' trees (proposer number len(drafters))
         self.lookup_tokens = lookup_tokens  # 0: as deep as the request's planned tree (what the controller models)
         self.verifier_release: set[str] = set()  # sent with the next verify call
+        self.features = any(d.wants_features for d in drafters)  # the verifier returns features for every request
         self.stats = Stats()
 
     # -- what a request may cost ------------------------------------------------------------
@@ -253,11 +260,11 @@ class SpeculativeEngine:
         if not batch:
             return []
         checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()),
-                        s.request.sampling) for s in batch]
+                        s.request.sampling, self.features and s.expansion != []) for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
-            results, step_ns = await self.verifier.verify(checks, release)
+            results, step_ns, features = await self.verifier.verify(checks, release)
         except VerifierLost as e:
             return self._resync(batch, e)
         except VerifierUnavailable as e:
@@ -277,6 +284,8 @@ class SpeculativeEngine:
                 chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
         out = []
         for s, tokens in zip(batch, results):
+            if s.id in features:
+                s.features.append(features[s.id])
             if s.done:  # cancelled while the step ran
                 continue
             out.append((s, self._commit(s, tokens, trees.get(s.id), sources.get(s.id, {}))))
@@ -360,7 +369,7 @@ class SpeculativeEngine:
         drafting = []
         for s in batch:
             if plan := self._plan(s, choice):
-                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling)))
+                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features)))
             else:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not (self.drafters or self.lookup):
@@ -377,6 +386,10 @@ class SpeculativeEngine:
                  if self.drafters else [])
         answers = (await gather(*(d.draft(asked) for d in self.drafters)) if asked
                    else [{}] * len(self.drafters))  # lookup found a chain for every request: no drafter asked
+        asked_ids = {d.request_id for d in asked}
+        for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)
+            if s.id in asked_ids:
+                s.features = []
         merged, sources = {}, {}
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
@@ -390,5 +403,5 @@ class SpeculativeEngine:
             if s.want_trees:
                 sources[s.id] = trees
         asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked),
-                     {d.request_id for d in asked})
+                     asked_ids)
         return merged, sources, {s.id: d.expansion for s, d in drafting}, chains, asked_for

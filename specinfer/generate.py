@@ -21,7 +21,9 @@ from enum import Enum
 from tqdm import tqdm
 
 from .controller import SpeculationController
+from .eagle import EagleHead
 from .engine import Draft, Request, Sequence, SpeculativeEngine
+from .feature_drafter import FeatureSpeculator
 from .graphs import GraphConfig
 from .lookup import CHAIN_TOKENS
 from .model import LlamaModel, check_token_ids
@@ -80,6 +82,7 @@ class LocalDrafter:
 
     def __init__(self, speculator: Speculator, drafter: int, replacement: bool = False):
         self.speculator = speculator
+        self.wants_features = speculator.wants_features
         self.drafter = drafter
         self.replacement = replacement  # sampled drafts: i.i.d. draws instead of draws without replacement
         self.told: dict[str, int] = {}  # request id -> tokens of its record the SSM has been given
@@ -88,7 +91,7 @@ class LocalDrafter:
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         start = time.perf_counter_ns()
         batch = [DraftRequest(d.request_id, d.record[self.told.get(d.request_id, 0):], d.expansion, d.sampling,
-                              self.replacement, self.drafter) for d in drafts]
+                              self.replacement, self.drafter, d.features) for d in drafts]
         trees = self.speculator.draft(batch)
         for d in drafts:
             self.told[d.request_id] = len(d.record)
@@ -109,11 +112,13 @@ class LocalVerifier:
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
 
-    async def verify(self, checks, release: list[str]) -> tuple[list[list[int]], int]:
+    async def verify(self, checks, release: list[str]) -> tuple[list[list[int]], int, dict]:
         await self.release(release)
         start = time.perf_counter_ns()
-        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling) for c in checks])
-        return [v.tokens for v in verdicts], time.perf_counter_ns() - start
+        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features)
+                                       for c in checks])
+        return ([v.tokens for v in verdicts], time.perf_counter_ns() - start,
+                {c.request_id: v.features for c, v in zip(checks, verdicts) if v.features is not None})
 
     async def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -124,12 +129,16 @@ class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
-                 tree_budget: int | None = None):
+                 tree_budget: int | None = None, heads: list[EagleHead] = ()):
+        """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
+        (sequence and tree: SSM 0, if any; merged: every SSM)."""
         mode = Mode(mode)
-        if mode != Mode.INCREMENTAL and not ssms and not lookup:
-            raise ValueError(f"mode {mode.value} needs at least one SSM (or context lookup)")
+        if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
+            raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
         if any(s.cfg.vocab_size != llm.cfg.vocab_size for s in ssms):
             raise ValueError("LLM and SSMs must share a tokenizer (vocab sizes differ)")
+        if len({h.head_cfg.layers for h in heads}) > 1:
+            raise ValueError("heads: every head must read the same layers of the LLM")
         self.llm = llm
         expansion = list(expansion if expansion is not None else PAPER_EXPANSION)
         if mode == Mode.SEQUENCE:
@@ -139,10 +148,11 @@ class Engine:
         adaptive, lookup = adaptive and speculating, lookup and speculating
         # each request's expansion: the server's, chosen per step (None), the whole config, or none
         self.own_expansion = None if adaptive else expansion if speculating else []
-        self.verifier = Verifier(llm, graphs=graphs)
+        drafters = [Speculator(m, graphs=graphs) for m in used] + [FeatureSpeculator(h) for h in heads if speculating]
+        self.verifier = Verifier(llm, graphs=graphs, feature_layers=heads[0].head_cfg.layers if heads else ())
         self.engine = SpeculativeEngine(
             LocalVerifier(self.verifier),
-            [LocalDrafter(Speculator(m, graphs=graphs), i, replacement) for i, m in enumerate(used)],
+            [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
             SpeculationController(lookup=lookup, chain=lookup_tokens) if adaptive else None, lookup,
             lookup_tokens)

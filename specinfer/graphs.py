@@ -105,6 +105,8 @@ class StepRunner:
         self.graph_bytes = 0  # device memory the captured graphs hold
         self.logits: torch.Tensor | None = None  # [the largest bucket's rows, V]: every graph writes its logits here
         self.eager_steps = 0  # steps that fit no bucket
+        self.features: torch.Tensor | None = None  # [tokens (a bucket's when padded), k * hidden] of the last
+        # call, with the model's `aux_layers`: the residual stream entering them, valid until the next call
         self.capture_s = 0.0  # compiling the kernels, warming up and capturing, at start
         self.sizes: list[int] = []  # the buckets' tokens, ascending
         if self.mode == "eager":
@@ -174,10 +176,18 @@ class StepRunner:
         """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay
         they are a view of the runner's one output buffer, valid until its next call: a caller
         that keeps them across steps must clone them."""
-        if self.mode == "eager":
+        if self.mode == "eager" and not self.model.aux_layers:
+            self.features = None
             return self.model(items, ids)
-        step, bucket, rows = self.prepare(items, ids)
-        if bucket is None or bucket.graph is None:
-            return self.model.run(step)[:rows]
-        bucket.graph.replay()
-        return self.logits[:rows]
+        if self.mode == "eager":  # the model's forward as its three calls, to read the step's features
+            step = self.model.prepare(self.model.layout(items), ids)
+            logits = self.model.run(step)
+        else:
+            step, bucket, rows = self.prepare(items, ids)
+            if bucket is None or bucket.graph is None:
+                logits = self.model.run(step)[:rows]
+            else:
+                bucket.graph.replay()
+                logits = self.logits[:rows]
+        self.features = step.features  # with the model's aux_layers (a captured step's: the graph's buffer)
+        return logits

@@ -75,7 +75,11 @@ class ModelConfig:
         path = checkpoint_dir(path)
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json)")
-        c = json.loads((path / "config.json").read_text())
+        return cls.from_dict(json.loads((path / "config.json").read_text()), path)
+
+    @classmethod
+    def from_dict(cls, c: dict, path: str | Path) -> "ModelConfig":
+        """A Hugging Face config.json's fields (ValueError naming `path` where one is not supported)."""
         kind = c.get("model_type")
         if kind not in SUPPORTED:
             raise ValueError(f"{path}: model_type {kind!r} is not one of {sorted(SUPPORTED)}")
@@ -297,6 +301,7 @@ class Step:
     pool: KVPool
     batch: TreeBatch
     wanted: torch.Tensor  # [R] the rows that reach the LM head, item by item
+    features: torch.Tensor | None = None  # [N, k * hidden] after the forward, with `LlamaModel.aux_layers`
 
     @classmethod
     def from_device(cls, tensors: dict[str, torch.Tensor], pool: KVPool, host: dict) -> "Step":
@@ -323,6 +328,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Dense(cfg.hidden_size, cfg.vocab_size, bias=False) if head else None  # a transposed copy when tied
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.register_buffer("vocab_ids", None, persistent=False)  # the LM head's tokens, when restricted
+        self.aux_layers: tuple[int, ...] = ()  # layers whose entering residual stream a forward keeps (`run_layers`)
 
     def restrict_vocab(self, token_ids: list[int]) -> None:
         """Keep only `token_ids` in the LM head: logits of every other token are -inf from now on.
@@ -443,20 +449,34 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def run_layers(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [N, hidden] through this model's layers."""
-        freqs = step.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2], float32 as in HF
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # [N, 1, D]
-        residual = None
+        """x [N, hidden] through this model's layers. With `aux_layers`, the residual stream entering
+        each of them is kept as `step.features` [N, len(aux_layers) * hidden] (a feature drafter's input)."""
+        cos, sin = rotary(step.positions, self.inv_freq, self.dtype)
+        residual, streams = None, {}
         for layer, block in enumerate(self.layers):
+            if layer in self.aux_layers:
+                streams[layer] = x if residual is None else x + residual
             x, residual = block(x, residual, cos, sin, layer, step.pool, step.batch)
+        if streams:
+            step.features = torch.cat([streams[i] for i in self.aux_layers], -1)
         return x + residual if residual is not None else x
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """[R, V] float32 logits of the wanted rows, on the device (-inf outside a restricted vocabulary)."""
-        logits = self.lm_head(self.norm(x[step.wanted])[0]).float()
+        return self.lm_logits(x[step.wanted])
+
+    def lm_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, V] float32 logits of the rows x [R, hidden] (final norm and LM head)."""
+        logits = self.lm_head(self.norm(x)[0]).float()
         return logits if self.vocab_ids is None else spread_vocab(logits, self.vocab_ids, self.cfg.vocab_size)
+
+
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, 1, D] of the rotary embedding at `positions` [N] (angles in float32, as in HF)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [N, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
 def spread_vocab(values: torch.Tensor, token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

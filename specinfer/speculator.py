@@ -46,6 +46,7 @@ class DraftRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
     drafter: int = 0  # tells apart the drafters of one request (e.g. speculator services) so their draws are independent
+    features: list = field(default_factory=list)  # a feature drafter's input: the LLM's `verifier.Features` since last time
 
 
 @dataclass
@@ -58,6 +59,8 @@ class _Row:
 
 
 class Speculator:
+    wants_features = False  # a feature drafter's subclass reads the LLM's features (feature_drafter.py)
+
     def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
                  graphs: GraphConfig = GraphConfig(), progress: bool = False):
         self.model = model
@@ -103,7 +106,7 @@ class Speculator:
         items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
         ids, levels, depth = None, [], 0
         while rows:
-            logits = self.run(items, ids)  # [len(rows), V]: one row per frontier node
+            logits = self._forward(items, ids)  # [len(rows), V]: one row per frontier node
             k = [batch[row.request].expansion[depth] for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
             levels.append((rows, k, children))
@@ -119,11 +122,21 @@ class Speculator:
             picks = [ri * kmax + j for ri, (row, kr) in enumerate(zip(rows, k))
                      if depth + 1 < len(batch[row.request].expansion) for j in range(kr)]
             drawn_ids = children[0].flatten()
-            ids = drawn_ids if len(picks) == drawn_ids.numel() else \
-                drawn_ids[torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)]
+            picked = None if len(picks) == drawn_ids.numel() else \
+                torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)
+            ids = drawn_ids if picked is None else drawn_ids[picked]
+            self._follow(picked, kmax)
             items = [StepInput(caches[r], [], [0] * len(grown[r]), grown[r]) for r in dict.fromkeys(x.request for x in nxt)]
             rows, depth = nxt, depth + 1
         return self._finish(batch, caches, levels)
+
+    def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
+        """One level's forward: logits [R, V]."""
+        return self.run(items, ids)
+
+    def _follow(self, picked: torch.Tensor | None, kmax: int) -> None:
+        """The next level's rows are the children `picked` (indices into this level's [R, kmax]
+        children, None: all of them): what a subclass whose rows carry more than a token keeps."""
 
     def _expand(self, logits: torch.Tensor, rows: list[_Row], k: list[int], batch: list[DraftRequest],
                 keys: list[int | None], depth: int) -> tuple[torch.Tensor, ...]:

@@ -32,12 +32,28 @@ class VerifyRequest:
     new_tokens: list[int]  # tokens to append to the request's record (the whole prompt at first)
     tree: TokenTree = field(default_factory=TokenTree)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    features: bool = False  # return the features of the rows this step commits (for a feature drafter)
+
+
+@dataclass
+class Features:
+    """The LLM's features (eagle.py) of the rows one step committed: the tokens that were pending
+    (the previous bonus token, or the prompt) and the accepted path; the new bonus token's come next step."""
+
+    start: int  # the record position of the first row
+    rows: torch.Tensor  # [n, len(layers) * hidden] on the host, in the LLM's dtype
 
 
 class Verifier:
     def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
-                 progress: bool = False):
+                 progress: bool = False, feature_layers: tuple[int, ...] = ()):
+        """feature_layers: the layers whose entering residual stream a request may ask for (`Features`)."""
         self.model = model
+        self.feature_layers = tuple(feature_layers)
+        if feature_layers:  # before the runner captures graphs of the forward
+            if model.aux_layers and model.aux_layers != self.feature_layers:
+                raise ValueError(f"feature_layers: the model already keeps the features of layers {model.aux_layers}")
+            model.aux_layers = self.feature_layers
         self.pool = model.new_pool(kv_tokens)
         self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.caches: dict[str, KVCache] = {}
@@ -69,6 +85,9 @@ class Verifier:
                 check_verifiable(req.tree)
             except ValueError as e:
                 raise ValueError(f"{e} (request {req.request_id})") from None
+        want_features = any(r.features for r in batch)
+        if want_features and not self.feature_layers:
+            raise ValueError("features: this verifier keeps no features (started without feature layers)")
         self._check_room(batch)
         items = []
         for req in batch:
@@ -79,12 +98,31 @@ class Verifier:
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents))
+        firsts = [it.cache.length for it in items]  # the record position of each item's first row
         verdicts = self.decide(batch, self.forward(items), row_starts(items))
+        if want_features:
+            self._attach_features(batch, items, verdicts, firsts)
         caches = [self.caches[req.request_id] for req in batch]
         commit_all(caches, [v.path for v in verdicts])
         for cache, verdict in zip(caches, verdicts):
             cache.tokens.extend(verdict.tokens)
         return verdicts
+
+    def _attach_features(self, batch: list[VerifyRequest], items: list[StepInput], verdicts: list[Verdict],
+                         firsts: list[int]) -> None:
+        """Give each verdict that asked for them its committed rows' features, in one copy to the host."""
+        index, counts, at = [], [], 0
+        for req, it, v in zip(batch, items, verdicts):
+            n_new = len(it.new_tokens)
+            if req.features:
+                rows = list(range(at, at + n_new)) + [at + n_new + u for u in v.path]
+                index += rows
+                counts.append(len(rows))
+            at += n_new + len(it.tree_tokens)
+        rows = self.run.features[torch.tensor(index, device=self.run.features.device)].cpu().split(counts)
+        asked = (i for i, req in enumerate(batch) if req.features)
+        for i, r in zip(asked, rows):
+            verdicts[i].features = Features(firsts[i], r)
 
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         """The LLM's logits [R, V] on its device, 1 + n_tree rows per item (a model-parallel

@@ -30,7 +30,7 @@ TREE = TokenTree([5, 6, 7, 8], [-1, -1, 0, 2])
 
 class InstantVerifier:
     async def verify(self, checks, release):
-        return [[7, 8] for _ in checks], 1_000_000
+        return [[7, 8] for _ in checks], 1_000_000, {}
 
     async def release(self, request_ids):
         pass
@@ -38,6 +38,7 @@ class InstantVerifier:
 
 class InstantDrafter:
     connected = True
+    wants_features = False
     draft_ns = 1000
 
     async def draft(self, drafts):

@@ -42,6 +42,7 @@ ALPHA = 1e-3  # a correct rule fails with this probability per test (seeds are f
 
 class MarkovModel:
     device = torch.device("cpu")
+    aux_layers = ()
 
     def __init__(self, P: torch.Tensor):
         self.logits = P.log()

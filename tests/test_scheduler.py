@@ -46,11 +46,12 @@ class Verifier:
                     break
             self.records[c.request_id] = record + out
             results.append(out)
-        return results, 1_000_000
+        return results, 1_000_000, {}
 
 
 class Speculator:
     connected = True
+    wants_features = False
 
     def __init__(self):
         self.calls, self.draft_ns = 0, 0

@@ -1,0 +1,200 @@
+"""Feature drafters (EAGLE-3 heads): the verifier's features of committed rows are the LLM's residual
+stream of the record, whatever the trees; a head drafts from them what its dense training-time
+forward computes, whatever the history of its cache; a head loads from the published layout and is
+refused where it does not fit the LLM; and with a head drafting, greedy output is the LLM's own and
+MSS keeps the LLM's distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from specinfer.eagle import EagleHead, save_head
+from specinfer.feature_drafter import FeatureSpeculator
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel, ModelConfig
+from specinfer.sampling import SamplingParams
+from specinfer.speculator import DraftRequest
+from specinfer.tree import TokenTree
+from specinfer.verifier import Features, Verifier, VerifyRequest
+
+from .conftest import MODELS, save_random_llama
+from .test_sampling_exact import ALPHA, chi_square_pvalue, llama_exact
+
+LAYERS = [1, 4, 6]  # of the fixture LLM's 8
+
+
+def write_random_head(path, llm: ModelConfig, seed: int, layers=LAYERS, draft_vocab=None, scale: float = 1.0,
+                      **config) -> None:
+    """A random head of the published layout for `llm`; `scale` sharpens its LM head."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, D = llm.hidden_size, 2 * llm.hidden_size, llm.head_dim
+    rand = lambda *shape: torch.randn(*shape, generator=g) * shape[-1] ** -0.5  # noqa: E731
+    vocab = list(range(llm.vocab_size)) if draft_vocab is None else draft_vocab
+    p, a = "midlayer.", "midlayer.self_attn."
+    tensors = {"fc.weight": rand(H, len(layers) * H), p + "input_layernorm.weight": torch.ones(H),
+               p + "hidden_norm.weight": torch.ones(H), a + "q_proj.weight": rand(llm.num_heads * D, 2 * H),
+               a + "k_proj.weight": rand(llm.num_kv_heads * D, 2 * H), a + "v_proj.weight": rand(llm.num_kv_heads * D, 2 * H),
+               a + "o_proj.weight": rand(H, llm.num_heads * D), p + "post_attention_layernorm.weight": torch.ones(H),
+               p + "mlp.gate_proj.weight": rand(I, H), p + "mlp.up_proj.weight": rand(I, H),
+               p + "mlp.down_proj.weight": rand(H, I), "norm.weight": torch.ones(H),
+               "lm_head.weight": rand(len(vocab), H) * scale}
+    save_head(path, llm, tensors, vocab, layers, I, **config)
+
+
+@pytest.fixture(scope="module")
+def fixture_llm():
+    return LlamaModel.from_pretrained(MODELS / "llm")
+
+
+@pytest.fixture(scope="module")
+def head(fixture_llm, tmp_path_factory):
+    path = tmp_path_factory.mktemp("head")
+    write_random_head(path, fixture_llm.cfg, seed=0, scale=4.0)
+    return EagleHead.from_pretrained(path, fixture_llm.cfg, fixture_llm.embed.weight)
+
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 1024, 3, 3, 8], [100, 200, 300, 400, 500, 600, 700], [11, 12]]
+
+
+def test_verifier_features_of_committed_rows_are_the_records_residual_stream(fixture_llm):
+    """Prefill, then steps with trees holding the LLM's own next tokens among others: the features
+    returned cover every record position but the last, in order, and equal a plain prefill's."""
+    verifier = Verifier(fixture_llm, feature_layers=tuple(LAYERS))
+    prompt = PROMPTS[0]
+    got = []
+    (v,) = verifier.step([VerifyRequest("r", prompt, features=True)])
+    got.append(v.features)
+    record = prompt + v.tokens
+    for _ in range(4):
+        # the LLM's next two tokens (a step without the tree) as one branch, a wrong token as another
+        probe = Verifier(fixture_llm)
+        (p,) = probe.step([VerifyRequest("p", record)])
+        (p2,) = probe.step([VerifyRequest("p", [], TokenTree([p.tokens[0]], [-1]))])
+        tree = TokenTree([7, p.tokens[0], p2.tokens[-1]], [-1, -1, 1])
+        (v,) = verifier.step([VerifyRequest("r", [], tree, features=True)])
+        got.append(v.features)
+        record += v.tokens
+    assert [f.start for f in got] == [0, *itertools_accumulate([len(f.rows) for f in got])][:-1]
+    rows = torch.cat([f.rows for f in got])
+    assert len(rows) == len(record) - 1
+    fresh = Verifier(fixture_llm, feature_layers=tuple(LAYERS))
+    (v,) = fresh.step([VerifyRequest("f", record[:-1], features=True)])
+    torch.testing.assert_close(rows, v.features.rows, rtol=1e-4, atol=1e-4)
+
+
+def itertools_accumulate(xs):
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
+
+
+def test_features_are_refused_by_a_verifier_without_feature_layers(fixture_llm):
+    verifier = Verifier(fixture_llm)
+    with pytest.raises(ValueError, match="features"):
+        verifier.step([VerifyRequest("r", PROMPTS[0], features=True)])
+    assert "r" not in verifier.caches or not verifier.caches["r"].tokens
+
+
+def record_features(llm: LlamaModel, record: list[int]) -> torch.Tensor:
+    """The LLM's features of record positions 0..len-2 (a plain prefill)."""
+    (v,) = Verifier(llm, feature_layers=tuple(LAYERS)).step([VerifyRequest("x", record[:-1], features=True)])
+    return v.features.rows
+
+
+def test_drafted_chain_is_the_dense_training_time_forward(fixture_llm, head):
+    """A greedy chain drafted on the paged cache equals the argmax of `EagleHead.chains` run over the
+    record followed by the chain itself (the training-time test's forward), at the last root."""
+    record = PROMPTS[0] + [64, 65, 66]
+    feats = record_features(fixture_llm, record)
+    (tree,) = FeatureSpeculator(head).draft([DraftRequest("r", record, [1, 1, 1, 1], features=[Features(0, feats)])])
+    drafts = tree.tokens
+    assert tree.parents == [-1, 0, 1, 2]
+    tokens = torch.tensor([record + drafts])
+    padded = torch.cat([feats, feats.new_zeros(len(drafts) + 1, feats.shape[1])])[None]
+    with torch.no_grad():
+        outs = head.chains(padded, tokens, steps=4)
+    root = len(record) - 2
+    expected = [int(head.lm_logits(o[0, root][None]).argmax()) for o in outs]
+    assert drafts == expected
+
+
+def test_a_draft_depends_on_the_record_and_its_features_not_on_the_caches_history(fixture_llm, head):
+    """Told step by step (features arriving a step late, trees drafted and dropped between), the head
+    drafts what a fresh head told everything at once drafts; a repeated draft is the same tree."""
+    record = PROMPTS[1] + [1, 2, 3, 4, 5, 6, 7, 8]
+    feats = record_features(fixture_llm, record)
+    spec = FeatureSpeculator(head)
+    told, trees = 0, []
+    for end in (len(PROMPTS[1]), len(PROMPTS[1]) + 3, len(PROMPTS[1]) + 4, len(record)):
+        f = Features(told - 1 if told else 0, feats[max(told - 1, 0): end - 1])
+        trees.append(spec.draft([DraftRequest("r", record[told:end], [2, 2, 1], features=[f])])[0])
+        told = end
+    again = spec.draft([DraftRequest("r", [], [2, 2, 1])])[0]
+    fresh = FeatureSpeculator(head).draft([DraftRequest("r", record, [2, 2, 1], features=[Features(0, feats)])])[0]
+    assert (trees[-1].tokens, trees[-1].parents) == (fresh.tokens, fresh.parents) == (again.tokens, again.parents)
+
+
+def test_features_of_the_wrong_width_are_refused_naming_the_field(fixture_llm, head):
+    spec = FeatureSpeculator(head)
+    with pytest.raises(ValueError, match="features"):
+        spec.draft([DraftRequest("r", PROMPTS[0], [2], features=[Features(0, torch.zeros(9, 5))])])
+    assert "r" not in spec.caches
+
+
+def test_a_head_that_does_not_fit_the_llm_is_refused(fixture_llm, tmp_path):
+    cfg = fixture_llm.cfg
+    cases = {
+        "vocab_size": dict(vocab_size=cfg.vocab_size + 1),
+        "hidden size": dict(target_hidden_size=cfg.hidden_size * 2),
+        "layers": dict(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, cfg.num_layers]}),
+    }
+    for i, (what, override) in enumerate(cases.items()):
+        write_random_head(tmp_path / str(i), cfg, seed=1, **override)
+        with pytest.raises(ValueError, match=what):
+            EagleHead.from_pretrained(tmp_path / str(i), cfg, fixture_llm.embed.weight)
+    write_random_head(tmp_path / "d2t", cfg, seed=1, draft_vocab=[0, 1, 2])
+    from safetensors.torch import load_file, save_file
+    t = load_file(tmp_path / "d2t" / "model.safetensors")
+    t["d2t"] = torch.tensor([0, 0, cfg.vocab_size])
+    save_file(t, tmp_path / "d2t" / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t"):
+        EagleHead.from_pretrained(tmp_path / "d2t", cfg, fixture_llm.embed.weight)
+
+
+def test_a_head_round_trips_through_the_published_layout(fixture_llm, head, tmp_path):
+    save_head(tmp_path, fixture_llm.cfg, head.published(), head.vocab_ids.tolist(), LAYERS,
+              head.cfg.intermediate_size)
+    again = EagleHead.from_pretrained(tmp_path, fixture_llm.cfg, fixture_llm.embed.weight)
+    for (name, a), (_, b) in zip(head.state_dict().items(), again.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("ssms,mode", [(0, Mode.TREE), (1, Mode.TREE), (1, Mode.MERGED)], ids=["head", "ssm+head", "merged"])
+def test_greedy_output_with_a_head_is_the_llms_own(fixture_llm, head, ssms, mode):
+    ssm = [LlamaModel.from_pretrained(MODELS / "ssm-0")][:ssms]
+    reqs = [Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)]
+    plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate(reqs)
+    spec = Engine(fixture_llm, ssm, mode, [2, 2, 1], heads=[head], lookup=True).generate(reqs)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+    assert sum(g.tree_steps for g in spec) > 0
+
+
+def test_head_drafts_keep_the_llms_distribution_under_mss(tmp_path):
+    """MSS over the head's sampled drafts (from a draft vocabulary of 4 of the 6 tokens) emits the
+    LLM's own law (chi-square against the exact law by enumeration)."""
+    hf = save_random_llama(tmp_path / "llm", 10, vocab=6, hidden=32, logit_scale=40.0)
+    llm = LlamaModel.from_pretrained(tmp_path / "llm")
+    write_random_head(tmp_path / "head", llm.cfg, seed=3, layers=[0, 1, 1], draft_vocab=[0, 2, 3, 5], scale=6.0)
+    head = EagleHead.from_pretrained(tmp_path / "head", llm.cfg, llm.embed.weight)
+    params = SamplingParams(temperature=0.9, mss=True)
+    prompt = [1, 4, 2]
+    engine = Engine(llm, [], Mode.TREE, [2, 2], heads=[head])
+    gens = engine.generate([Request(list(prompt), 4, dataclasses.replace(params, seed=s)) for s in range(3000)])
+    assert sum(g.tree_steps for g in gens) > 0
+    samples = [tuple(g.token_ids[1:4]) for g in gens]
+    assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA
