@@ -95,8 +95,8 @@ async def main(cfg: ManagerConfig) -> None:
     verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes, credentials)
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
-    speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials)
-                   for i, t in enumerate(targets)]
+    speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials,
+                                      tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
     lookup = cfg.context_lookup and bool(speculators)
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,

@@ -55,13 +55,14 @@ class VerifierClient:
         return await self.stub.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=wait, wait_for_ready=True)
 
     async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int, dict]:
-        """Accepted tokens per request, the verifier's step time in ns, and no features (the wire
-        carries none yet: speculator services draft from tokens)."""
+        """Accepted tokens per request, the verifier's step time in ns, and the features returned (as
+        protobuf FeatureRows: the manager hands them on to the feature speculators as they came)."""
         request = verifier_pb2.VerifyRequest(
             release=[self.namespace + rid for rid in release],
             items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
-                                           sampling=sampling_to_pb(c.sampling)) for c in batch])
+                                           sampling=sampling_to_pb(c.sampling), return_features=c.features)
+                   for c in batch])
         if self.steps is None or self.steps.done():
             await self._connected()
             self.steps = self.stub.VerifyStream()
@@ -83,7 +84,8 @@ class VerifierClient:
         except (asyncio.InvalidStateError, ConnectionError) as e:  # the stream ended before or without an answer
             self._drop(steps)
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
-        return [list(r.token_ids) for r in response.results], response.step_ns, {}
+        return ([list(r.token_ids) for r in response.results], response.step_ns,
+                {c.request_id: r.features for c, r in zip(batch, response.results) if r.HasField("features")})
 
     def _drop(self, steps) -> None:
         steps.cancel()
@@ -116,14 +118,20 @@ class VerifierClient:
         await self.channel.close()
 
 
+class FeaturesMismatch(ValueError):
+    """A feature speculator reads features the verifier does not return."""
+
+
 class SpeculatorClient:
     """One long-lived Speculate stream, with what this stream's speculator has been told."""
 
     RETRY_AFTER = 1.0  # seconds before a broken stream is reopened
 
     def __init__(self, address: str, drafter: int, timeout: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, server_name: str = ""):
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str = "",
+                 verifier_layers: tuple[int, ...] = ()):
         self.address = address
+        self.verifier_layers = verifier_layers  # the features the verifier returns (VerifierInfo.feature_layers)
         self.drafter = drafter  # distinct per SSM (replicas share it): independent random draws
         self.timeout = timeout
         # a replica found by DNS is dialled by IP: its certificate is checked against the DNS name
@@ -137,11 +145,26 @@ class SpeculatorClient:
         self.to_release: set[str] = set()
         self.retry_at = 0.0
         self.draft_ns = 0  # the speculator's own time in the last exchange
-        self.wants_features = False
+        self.feature_layers: tuple[int, ...] = ()  # a feature speculator's (SpeculatorInfo), read as the stream opens
 
     @property
     def connected(self) -> bool:
         return self.call is not None
+
+    @property
+    def wants_features(self) -> bool:
+        return bool(self.feature_layers)
+
+    async def _open(self) -> None:
+        """Ask what the speculator is (a feature speculator's drafts carry features), then open the stream."""
+        info = await self.stub.GetInfo(speculator_pb2.GetSpeculatorInfoRequest(), timeout=self.timeout)
+        layers = tuple(info.feature_layers)
+        if layers and layers != self.verifier_layers:
+            raise FeaturesMismatch(f"speculator {self.address} reads the LLM's features of layers {list(layers)}, "
+                                   f"the verifier returns those of {list(self.verifier_layers)} "
+                                   f"(start it with --feature-layers {','.join(map(str, layers))})")
+        self.feature_layers = layers
+        self.call = self.stub.Speculate()
 
     @property
     def usable(self) -> bool:
@@ -158,7 +181,10 @@ class SpeculatorClient:
             return
         async with self.exchange:
             if self.call is None:
-                self.call = self.stub.Speculate()
+                try:
+                    await self._open()
+                except grpc.RpcError:
+                    return  # the first draft tries again
 
     def release(self, request_id: str) -> None:
         """Free the request on the speculator with the next message (a draft may be in flight)."""
@@ -175,13 +201,20 @@ class SpeculatorClient:
         if self.call is None:
             if not self.usable:
                 return {}
-            self.call = self.stub.Speculate()
+            try:
+                await self._open()
+            except (grpc.RpcError, FeaturesMismatch) as e:
+                self.retry_at = time.monotonic() + self.RETRY_AFTER
+                log.warning("speculator %s: %s; going on without it", self.address,
+                            e.code().name if isinstance(e, grpc.RpcError) else e)
+                return {}
         self.iteration += 1
         request = speculator_pb2.SpeculateRequest(iteration=self.iteration, release=sorted(self.to_release))
         for d in drafts:
             request.updates.append(speculator_pb2.DraftUpdate(
                 request_id=d.request_id, new_token_ids=d.record[self.told.get(d.request_id, 0):],
-                expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter))
+                expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter,
+                features=d.features if self.feature_layers else ()))
         try:
             async with asyncio.timeout(self.timeout):
                 await self.call.write(request)

@@ -28,16 +28,20 @@ class SpeculatorReplicas:
     CONNECT_WAIT = 2.0  # seconds a joining replica gets to answer before its first draft tries again
 
     def __init__(self, target: Target, drafter: int, timeout: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, verifier_layers: tuple[int, ...] = ()):
         self.target = target
         self.drafter = drafter
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         self.credentials = credentials
+        self.verifier_layers = verifier_layers  # the features the verifier returns
         self.replicas: dict[str, SpeculatorClient] = {}
         self.assigned: dict[str, SpeculatorClient] = {}  # request id -> its replica
         self.draft_ns = 0  # the slowest replica's own time in the last exchange
-        self.wants_features = False
+
+    @property
+    def wants_features(self) -> bool:
+        return any(r.wants_features for r in self.replicas.values())
 
     @property
     def connected(self) -> bool:
@@ -62,7 +66,7 @@ class SpeculatorReplicas:
             if address not in self.replicas:
                 log.info("speculator replica %s joins (drafter %d)", address, self.drafter)
                 joined.append(SpeculatorClient(address, self.drafter, self.timeout, self.max_message_bytes,
-                                               self.credentials, self.target.name))
+                                               self.credentials, self.target.name, self.verifier_layers))
                 self.replicas[address] = joined[-1]
         await asyncio.gather(*(r.connect(self.CONNECT_WAIT) for r in joined))
         for address in set(self.replicas) - set(addresses):

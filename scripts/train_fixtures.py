@@ -174,9 +174,11 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Path, desc, every_s=300.0):
+def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Path, desc, every_s=300.0,
+             autocast: bool = True):
     """AdamW with warmup + cosine decay; loss_of_step() draws its own batch from `gen` and returns the
-    loss, computed under bf16 autocast (twice as fast as fp32 on a CPU with AVX512-BF16). The model,
+    loss, computed under bf16 autocast (twice as fast as fp32 on a CPU with AVX512-BF16; `autocast`
+    False: in float32, faster on a CPU without it). The model,
     the optimizer and `gen` are saved to `ckpt` every `every_s` seconds and the run resumes from there."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
     start = 0
@@ -192,7 +194,7 @@ def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Pat
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 weights and optimizer, bf16 matmuls
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # fp32 weights and optimizer, bf16 matmuls
             loss = loss_of_step()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -76,6 +76,12 @@ def default_ssms() -> list[Path]:
     return sorted(p for p in (models_dir() / "smollm2").glob("ssm-*") if (p / "config.json").exists())
 
 
+def default_heads() -> list[Path]:
+    """The feature drafters (EAGLE-3 heads) trained for the default LLM (models/smollm2/head-*,
+    scripts/train_head.py)."""
+    return sorted(p for p in (models_dir() / "smollm2").glob("head-*") if (p / "config.json").exists())
+
+
 def default_prompts() -> Path:
     """Held-out code prompts and chat requests for the default LLM (scripts/train_models.py)."""
     return models_dir() / "smollm2" / "prompts.jsonl"

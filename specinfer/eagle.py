@@ -39,6 +39,11 @@ from .checkpoints import checkpoint_dir
 from .model import Dense, LlamaModel, ModelConfig, RMSNorm, Step, read_weights, rope_inv_freq, rotary
 
 
+def head_layers(path: str | Path, llm: str | Path) -> tuple[int, ...]:
+    """The LLM layers a head checkpoint reads (checked against the LLM checkpoint `llm`)."""
+    return HeadConfig.from_dir(checkpoint_dir(path), ModelConfig.from_dir(llm)).layers
+
+
 def default_layers(num_layers: int) -> list[int]:
     """EAGLE-3's default target layers: the residual stream entering layers 2, L/2 and L-3."""
     return [2, num_layers // 2, num_layers - 3]
@@ -179,6 +184,15 @@ class EagleHead(LlamaModel):
         for dense in (head.fc, *(getattr(head.layers[0], n) for n in ("qkv", "o", "gate_up", "down")), head.lm_head):
             dense.pack()
         return head.eval().requires_grad_(False)
+
+    @classmethod
+    def for_llm(cls, path: str | Path, llm: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> "EagleHead":
+        """A head for the LLM checkpoint `llm`, reading only its config and embedding (a speculator
+        service holds the head, not the LLM)."""
+        cfg = ModelConfig.from_dir(llm)
+        embed = read_weights(llm, lambda name, shape: (...) if name == "model.embed_tokens.weight" else None)
+        return cls.from_pretrained(path, cfg, embed["model.embed_tokens.weight"], dtype, device)
 
     @torch.no_grad()
     def forward(self, items, ids: torch.Tensor | None, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -214,8 +214,13 @@ class SpeculativeEngine:
         self.lookup = lookup  # context lookup joins the drafters' trees (proposer number len(drafters))
         self.lookup_tokens = lookup_tokens  # 0: as deep as the request's planned tree (what the controller models)
         self.verifier_release: set[str] = set()  # sent with the next verify call
-        self.features = any(d.wants_features for d in drafters)  # the verifier returns features for every request
         self.stats = Stats()
+
+    @property
+    def wants_features(self) -> bool:
+        """A feature drafter drafts: the verifier returns features for every request that speculates
+        (asked each iteration: a speculator service says what it is when it connects)."""
+        return any(d.wants_features for d in self.drafters)
 
     # -- what a request may cost ------------------------------------------------------------
     def max_tree(self, seq: Sequence) -> int:
@@ -259,12 +264,13 @@ class SpeculativeEngine:
         batch = [s for s in batch if not s.done]
         if not batch:
             return []
+        features = self.wants_features
         checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()),
-                        s.request.sampling, self.features and s.expansion != []) for s in batch]
+                        s.request.sampling, features and s.expansion != []) for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
-            results, step_ns, features = await self.verifier.verify(checks, release)
+            results, step_ns, returned = await self.verifier.verify(checks, release)
         except VerifierLost as e:
             return self._resync(batch, e)
         except VerifierUnavailable as e:
@@ -284,8 +290,8 @@ class SpeculativeEngine:
                 chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
         out = []
         for s, tokens in zip(batch, results):
-            if s.id in features:
-                s.features.append(features[s.id])
+            if s.id in returned:
+                s.features.append(returned[s.id])
             if s.done:  # cancelled while the step ran
                 continue
             out.append((s, self._commit(s, tokens, trees.get(s.id), sources.get(s.id, {}))))

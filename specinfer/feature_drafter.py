@@ -91,10 +91,15 @@ class FeatureSpeculator(Speculator):
         pairs to feed: the record's new pairs, or the root's again when nothing new came."""
         for r in batch:  # all checked before any state changes
             check_token_ids(f"new_token_ids (request {r.request_id})", r.new_tokens, self.model.cfg.vocab_size)
+            known = self.known.get(r.request_id)
+            length = len(r.new_tokens) + (len(known.record) if known else 0)
             for f in r.features:
                 if f.rows.dim() != 2 or f.rows.shape[1] != self.width or f.start < 0:
                     raise ValueError(f"features (request {r.request_id}): rows of {self.width} values from "
                                      f"position >= 0 expected, got shape {tuple(f.rows.shape)} from {f.start}")
+                if f.start + len(f.rows) > length:
+                    raise ValueError(f"features (request {r.request_id}): rows for positions {f.start}.."
+                                     f"{f.start + len(f.rows) - 1}, and the record has {length} tokens")
         caches, hidden = [], []
         for r in batch:
             known = self.known.setdefault(r.request_id, _Known())

@@ -25,6 +25,7 @@ import torch
 
 from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, resolve_dtype,
                                    same_tokenizer, served_ssms)
+from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel
@@ -105,6 +106,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", type=Path, action="append", default=None,
                    help="SSM checkpoint, repeatable (default: the default LLM's drafters in models/smollm2; "
                         "serve: SSM 0 alone, merged with the manager's context lookup)")
+    p.add_argument("--head", type=Path, action="append", default=[],
+                   help="a feature drafter (an EAGLE-3 head of the LLM, published layout), repeatable: in process it "
+                        "drafts beside the SSMs the mode uses; serve: a speculator service of its own "
+                        "(models/smollm2/head-0: the default LLM's)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="generate runs on the CPU (auto: float32); serve: auto is bfloat16 on CUDA, float32 on the CPU")
 
@@ -115,10 +120,12 @@ def load_engine(args, mode: str) -> Engine:
     for d in ssm_dirs:
         same_tokenizer(args.llm, d)
     ssms = [load_model(d, args.dtype) for d in ssm_dirs]
+    heads = [] if mode == Mode.INCREMENTAL.value else [
+        EagleHead.from_pretrained(h, llm.cfg, llm.embed.weight, llm.dtype) for h in args.head]
     expansion = EXPANSION if args.expansion is None else parse_expansion(args.expansion)
     # without --expansion, the cost-model controller picks each step's depth of the default, as the manager does
     return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
-                  lookup_tokens=args.lookup_tokens, adaptive=args.expansion is None)
+                  lookup_tokens=args.lookup_tokens, adaptive=args.expansion is None, heads=heads)
 
 
 def cmd_generate(args) -> int:
@@ -209,6 +216,8 @@ def cmd_serve(args) -> int:
         checkpoint_dir(args.llm)  # converted once here, before the services start; a missing package: one line
         for d in ssms:
             same_tokenizer(args.llm, d)
+        for h in args.head:
+            head_layers(h, args.llm)  # a head that does not fit the LLM: refused here, naming what
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer serve: error: {e}", file=sys.stderr)
         return 2
@@ -225,7 +234,8 @@ def cmd_serve(args) -> int:
                     args.host, args.port, args.dtype, args.manager_arg,
                     ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
                     credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
-                    http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args))
+                    http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args),
+                    heads=args.head)
     for s in system.services:
         print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics or s.url + '/metrics'}",
               file=sys.stderr)

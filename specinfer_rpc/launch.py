@@ -19,6 +19,8 @@ from pathlib import Path
 
 import grpc
 
+from specinfer.eagle import head_layers
+
 from .healthcheck import check
 
 
@@ -149,17 +151,26 @@ def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1
            dtype: str = "auto", manager_args: list[str] = (), verifier_args: list[str] = (),
            timeout: float = 120.0, log_dir: Path | None = None, service_args: list[str] = (),
            credentials: grpc.ChannelCredentials | None = None, http_port: int | None = None,
-           ssl_context: ssl.SSLContext | None = None) -> System:
-    """Start the whole system; speculator i hosts ssms[i % len(ssms)]; with `http_port`, the HTTP
-    gateway in front of the manager too. `service_args` go to every service (e.g. TLS flags; then
-    `credentials` and `ssl_context` are what the health checks connect with)."""
+           ssl_context: ssl.SSLContext | None = None, heads: list[Path] = ()) -> System:
+    """Start the whole system; speculator i hosts ssms[i % len(ssms)], then one speculator per
+    feature drafter in `heads` (the verifier then returns the features they read); with
+    `http_port`, the HTTP gateway in front of the manager too. `service_args` go to every service
+    (e.g. TLS flags; then `credentials` and `ssl_context` are what the health checks connect with)."""
     system = System(log_dir=log_dir, credentials=credentials, ssl_context=ssl_context)
     try:
         common = ["--host", host, "--port", "0", "--dtype", dtype, "--metrics-port", "0", *service_args]
-        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *verifier_args], timeout)
+        layers = sorted({head_layers(h, llm) for h in heads})
+        if len(layers) > 1:
+            raise ValueError(f"heads: they read different layers of the LLM ({layers})")
+        features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
+        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *features, *verifier_args],
+                                timeout)
         specs = [system.start(f"speculator-{i}", "speculator_svc",
                               ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common], timeout)
                  for i in range(speculators if ssms else 0)]
+        specs += [system.start(f"speculator-head-{i}", "speculator_svc",
+                               ["--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1", *common], timeout)
+                  for i, h in enumerate(heads)]
         system.start("manager", "manager_svc",
                      ["--host", host, "--port", str(port), "--metrics-port", "0", *service_args,
                       "--verifier", verifier.address, "--tokenizer", str(llm),

@@ -9,7 +9,9 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import resolve_device, resolve_dtype, same_tokenizer, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, resolve_device, resolve_dtype, same_tokenizer, served_ssms
+from specinfer.eagle import EagleHead
+from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
 from specinfer_rpc.config import ModelServerConfig, load_config, option
@@ -26,30 +28,40 @@ class SpeculatorConfig(ModelServerConfig):
 
     ssm: list[str] = option([str(p) for p in served_ssms()],
                             "SSM checkpoints (comma-separated; directories or .gguf files); their trees are merged")
+    head: list[str] = option([], "feature drafters: EAGLE-3 heads of the LLM (published layout, comma-separated), "
+                                 "merged with the SSMs' trees; the service then reads the LLM's features (--ssm= "
+                                 "for a service of heads alone)")
+    llm: str = option(DEFAULT_LLM, "with --head: the LLM the heads draft for (its config and embedding are read)")
     q_top: int = option(32, "stochastic drafts: q is truncated to its most likely q_top tokens")
     port: int = option(50052, "port to listen on (0: any free port)")
 
 
 def build(cfg: SpeculatorConfig) -> list[Speculator]:
     device = resolve_device(cfg.device)
-    models = [LlamaModel.from_pretrained(d, dtype=resolve_dtype(cfg.dtype, device), device=device) for d in cfg.ssm]
+    dtype = resolve_dtype(cfg.dtype, device)
+    models = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in cfg.ssm]
     try:
         for d in cfg.ssm[1:]:
             same_tokenizer(cfg.ssm[0], d)
+        heads = [EagleHead.for_llm(h, cfg.llm, dtype, device) for h in cfg.head]
     except ValueError as e:
         raise SystemExit(f"speculator: {e}")
+    if len({h.head_cfg.layers for h in heads}) > 1:
+        raise SystemExit("speculator: every head must read the same layers of the LLM")
     speculators = [Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens, graphs=cfg.graphs(),
                               progress=True) for i, m in enumerate(models)]
-    for spec, name in zip(speculators, cfg.ssm):
+    speculators += [FeatureSpeculator(h, index=len(models) + i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens)
+                    for i, h in enumerate(heads)]
+    for spec, name in zip(speculators, cfg.ssm + cfg.head):
         print(f"speculator {Path(name).name}: {spec.run.describe()}", flush=True)
     return speculators
 
 
 async def main(cfg: SpeculatorConfig) -> None:
-    if not cfg.ssm:
-        raise SystemExit("speculator: no SSM given (--ssm)")
+    if not cfg.ssm and not cfg.head:
+        raise SystemExit("speculator: no SSM or head given (--ssm, --head)")
     thread = ModelThread("speculator", cfg.threads, resolve_device(cfg.device))
-    servicer = SpeculatorServicer(thread.call(build, cfg), [Path(d).name for d in cfg.ssm], thread)
+    servicer = SpeculatorServicer(thread.call(build, cfg), [Path(d).name for d in cfg.ssm + cfg.head], thread)
     service = speculator_pb2.DESCRIPTOR.services_by_name["Speculator"].full_name
     await serve("speculator", cfg, [(speculator_pb2_grpc.add_SpeculatorServicer_to_server, servicer, service)])
 

@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree, merge, validate_expansion
-from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
+from specinfer_rpc.convert import features_from_pb, sampling_from_pb, tree_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import rpc_errors
@@ -58,8 +58,9 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         validate_expansion(list(u.expansion))
         sampling = sampling_from_pb(u.sampling)
         sampling.validate()
+        features = [features_from_pb(f, f"features (request {u.request_id})") for f in u.features]
         return DraftRequest(prefix + u.request_id, list(u.new_token_ids), list(u.expansion), sampling,
-                            u.replacement, u.drafter)
+                            u.replacement, u.drafter, features)
 
     def _draft(self, releases: list[str], batch: list[DraftRequest]) -> list[TokenTree]:
         for key in releases:
@@ -79,6 +80,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
 
     @rpc_errors
     async def GetInfo(self, request, context) -> speculator_pb2.SpeculatorInfo:
+        layers = next((s.head.head_cfg.layers for s in self.speculators if s.wants_features), ())
         return speculator_pb2.SpeculatorInfo(model_names=self.model_names,
                                              vocab_size=self.speculators[0].model.cfg.vocab_size,
-                                             active_requests=len(self.keys))
+                                             active_requests=len(self.keys), feature_layers=layers)

@@ -198,3 +198,59 @@ def test_head_drafts_keep_the_llms_distribution_under_mss(tmp_path):
     assert sum(g.tree_steps for g in gens) > 0
     samples = [tuple(g.token_ids[1:4]) for g in gens]
     assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA
+
+
+@pytest.fixture(scope="module")
+def head_system(fixture_llm, tmp_path_factory):
+    """The services on the fixture LLM: SSM 0's speculator and a feature speculator (a random head)."""
+    from specinfer_rpc.launch import launch
+
+    root = tmp_path_factory.mktemp("head-system")
+    write_random_head(root / "head", fixture_llm.cfg, seed=0, scale=4.0)
+    system = launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, log_dir=root, heads=[root / "head"])
+    yield system
+    system.stop()
+
+
+def test_greedy_through_the_services_with_a_feature_speculator_is_the_llms_own(head_system, heldout_ids):
+    """The verifier returns features for the feature speculator's requests (its info names the
+    layers), the manager hands them on, and the output is the LLM's own greedy tokens."""
+    import grpc
+
+    from specinfer_rpc.client import generate_all
+    from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
+
+    from .services import reference_greedy
+
+    with grpc.insecure_channel(head_system.services[0].address) as channel:
+        info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+    assert list(info.feature_layers) == LAYERS
+    prompts = heldout_ids[:6]
+    streams = generate_all(head_system.manager.address, [Request(p, 32) for p in prompts], "2,2,1")
+    assert [s.token_ids for s in streams] == reference_greedy(prompts, 32)
+    assert sum(s.usage.verifier_steps for s in streams) < sum(len(s.token_ids) for s in streams)
+
+
+@pytest.mark.parametrize("rows,width,dtype,data,start", [
+    (2, 96 * 3, 1, b"\0" * 10, 0),  # fewer bytes than the rows need
+    (1, 5, 1, b"\0" * 20, 0),  # the wrong width for the head
+    (1, 768, 1, b"\0" * 3072, 500),  # past the record
+    (1, 768, 7, b"\0" * 3072, 0),  # an unknown dtype
+    (1, 768, 1, b"\xff" * 3072, 0),  # NaN
+], ids=["short", "width", "position", "dtype", "nan"])
+def test_corrupt_features_get_invalid_argument_naming_the_field(head_system, rows, width, dtype, data, start):
+    import grpc
+
+    from specinfer_rpc.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
+
+    head = next(s for s in head_system.services if s.name == "speculator-head-0")
+    update = speculator_pb2.DraftUpdate(request_id="bad", new_token_ids=[5, 6, 7], expansion=[2],
+                                        features=[common_pb2.FeatureRows(start=start, rows=rows, width=width,
+                                                                         dtype=dtype, data=data)])
+    with grpc.insecure_channel(head.address) as channel:
+        call = speculator_pb2_grpc.SpeculatorStub(channel).Speculate(
+            iter([speculator_pb2.SpeculateRequest(iteration=1, updates=[update])]), timeout=30)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "features (request" in e.value.details() and "bad)" in e.value.details()

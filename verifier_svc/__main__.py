@@ -32,18 +32,25 @@ class VerifierConfig(ModelServerConfig):
     tp: int = option(1, "tensor-parallel ranks per pipeline stage (heads, MLP and vocabulary split)")
     pp: int = option(1, "pipeline stages (layers split); tp * pp processes in all, this one is rank 0")
     dist_timeout: float = option(30.0, "seconds a torch.distributed collective may wait for a rank")
+    feature_layers: list[int] = option([], "LLM layers whose entering residual stream a step returns for the requests "
+                                           "a feature speculator drafts for (an EAGLE-3 head's; empty: none)")
 
 
 def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.tp * cfg.pp > 1:
+        if cfg.feature_layers:
+            raise ValueError("feature_layers: features are not returned by a tensor- or pipeline-parallel verifier yet")
         verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
                                     cfg.dist_timeout)
         print(f"verifier: tp {cfg.tp} x pp {cfg.pp}, ranks 1.. are pids {verifier.pids()}", flush=True)
     else:
-        verifier = Verifier(LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device), cfg.kv_cache_tokens,
-                            cfg.graphs(), progress=True)
+        model = LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device)
+        if not all(0 <= i < model.cfg.num_layers for i in cfg.feature_layers):
+            raise ValueError(f"feature_layers: {cfg.feature_layers} are not all layers of the LLM (0..{model.cfg.num_layers - 1})")
+        verifier = Verifier(model, cfg.kv_cache_tokens, cfg.graphs(), progress=True,
+                            feature_layers=tuple(cfg.feature_layers))
         print(f"verifier: {verifier.run.describe()}", flush=True)
     return verifier
 

@@ -16,7 +16,7 @@ import grpc
 from prometheus_client import Gauge, Histogram
 
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.convert import sampling_from_pb, tree_from_pb
+from specinfer_rpc.convert import features_to_pb, sampling_from_pb, tree_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import Abort, rpc_errors
@@ -63,7 +63,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
-                               sampling_from_pb(item.sampling)) for item in request.items]
+                               sampling_from_pb(item.sampling), item.return_features) for item in request.items]
         for req in batch:
             req.sampling.validate()
         ids = [req.request_id for req in batch]
@@ -76,7 +76,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         STEP_SECONDS.observe(step_ns / 1e9)
         STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
         return verifier_pb2.VerifyResponse(
-            results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens)
+            results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens,
+                                               features=features_to_pb(v.features) if v.features else None)
                      for r, v in zip(batch, verdicts)],
             step_ns=step_ns)
 
@@ -113,4 +114,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          active_requests=len(self.verifier.caches),
                                          kv_cache_tokens=pool.n_blocks * pool.block_size,
                                          kv_cache_free_tokens=len(pool.free) * pool.block_size,
-                                         kv_block_size=pool.block_size)
+                                         kv_block_size=pool.block_size,
+                                         feature_layers=self.verifier.feature_layers)

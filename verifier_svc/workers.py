@@ -73,6 +73,8 @@ def _free_port() -> int:
 class ParallelVerifier:
     """Rank 0: the same interface as `Verifier` (step, release, caches, pool, model)."""
 
+    feature_layers = ()  # returns no features (see verifier_svc's --feature-layers)
+
     def __init__(self, model_dir: str, tp: int, pp: int, dtype: torch.dtype, device: torch.device,
                  kv_tokens: int, threads: int = 0, timeout_s: float = 30.0):
         gpus = torch.cuda.device_count()

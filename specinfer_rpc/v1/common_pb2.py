@@ -25,17 +25,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"m\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0b\n\x03mss\x18\x05 \x01(\x08\x42\x08\n\x06_top_p\"i\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x13\n\x0bq_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07q_probs\x18\x03 \x03(\x02\x12\x10\n\x08\x63hildren\x18\x04 \x03(\x05\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\"_\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12.\n\x0c\x64raft_groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroupb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"m\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0b\n\x03mss\x18\x05 \x01(\x08\x42\x08\n\x06_top_p\"i\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x13\n\x0bq_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07q_probs\x18\x03 \x03(\x02\x12\x10\n\x08\x63hildren\x18\x04 \x03(\x05\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\"_\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12.\n\x0c\x64raft_groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroup\"r\n\x0b\x46\x65\x61tureRows\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12)\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1a.specinfer.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c*d\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specinfer.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_FEATUREDTYPE']._serialized_start=474
+  _globals['_FEATUREDTYPE']._serialized_end=574
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=152
   _globals['_DRAFTGROUP']._serialized_start=154
   _globals['_DRAFTGROUP']._serialized_end=259
   _globals['_TOKENTREE']._serialized_start=261
   _globals['_TOKENTREE']._serialized_end=356
+  _globals['_FEATUREROWS']._serialized_start=358
+  _globals['_FEATUREROWS']._serialized_end=472
 # @@protoc_insertion_point(module_scope)

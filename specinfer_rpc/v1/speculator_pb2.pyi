@@ -19,20 +19,22 @@ class SpeculateRequest(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[DraftUpdate, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftUpdate(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "expansion", "sampling", "replacement", "drafter")
+    __slots__ = ("request_id", "new_token_ids", "expansion", "sampling", "replacement", "drafter", "features")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     expansion: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     replacement: bool
     drafter: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., replacement: _Optional[bool] = ..., drafter: _Optional[int] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[_common_pb2.FeatureRows]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., replacement: _Optional[bool] = ..., drafter: _Optional[int] = ..., features: _Optional[_Iterable[_Union[_common_pb2.FeatureRows, _Mapping]]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
     __slots__ = ("iteration", "trees", "draft_ns")
@@ -57,11 +59,13 @@ class GetSpeculatorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SpeculatorInfo(_message.Message):
-    __slots__ = ("model_names", "vocab_size", "active_requests")
+    __slots__ = ("model_names", "vocab_size", "active_requests", "feature_layers")
     MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     model_names: _containers.RepeatedScalarFieldContainer[str]
     vocab_size: int
     active_requests: int
-    def __init__(self, model_names: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_names: _Optional[_Iterable[str]] = ..., vocab_size: _Optional[int] = ..., active_requests: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,129 @@
+"""Feature drafter against token drafter, in process, one request at a time, greedy, side by side in
+one run: on the default LLM's held-out code prompts and chat requests, and on general requests unlike
+either drafter's training (models/smollm2/general_prompts.jsonl).
+
+    python -m specinfer_bench.heads --out bench/results/heads_cpu
+
+Each configuration drafts with the cost-model controller choosing each step's depth of its expansion,
+as `specinfer generate` and the manager do. Every configuration's greedy outputs must equal
+incremental decoding's, or no figure is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir, default_heads, default_ssms, models_dir
+from specinfer.eagle import EagleHead
+from specinfer.generate import Mode
+from specinfer.model import LlamaModel
+from specinfer.prompts import read_prompt_file
+
+from .inprocess import load_prompt_ids, run
+from .report import _plt, command_line, machine, summarize
+
+# label -> (SSM 0, the head, mode, expansion, context lookup)
+CONFIGS = {
+    "incremental": (False, False, Mode.INCREMENTAL, [], False),
+    "SSM 0 <2,1> + lookup": (True, False, Mode.TREE, [2, 1], True),
+    "head <2,1,1,1> + lookup": (False, True, Mode.TREE, [2, 1, 1, 1], True),
+    "head <4,2,1,1,1>": (False, True, Mode.TREE, [4, 2, 1, 1, 1], False),
+    "head <4,2,1,1,1> + lookup": (False, True, Mode.TREE, [4, 2, 1, 1, 1], True),
+    "SSM 0 <2,1> + head <2,1> + lookup": (True, True, Mode.TREE, [2, 1], True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", type=Path, default=None, help="the head (default: models/smollm2/head-0)")
+    ap.add_argument("--prompts", type=int, default=32, help="requests of each set, at most")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated labels of CONFIGS")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/heads_cpu"))
+    args = ap.parse_args(argv)
+    llm_dir = checkpoint_dir(DEFAULT_LLM)
+    llm = LlamaModel.from_pretrained(llm_dir)
+    heads = [args.head] if args.head else default_heads()
+    if not heads:
+        sys.exit("no head: give --head (the default LLM's head is trained by scripts/train_head.py)")
+    head = EagleHead.from_pretrained(heads[0], llm.cfg, llm.embed.weight)
+    ssm = LlamaModel.from_pretrained(default_ssms()[0])
+    records = read_prompt_file(models_dir() / "smollm2" / "prompts.jsonl")
+    sets = {"code": [r for r in records if "prompt" in r], "chat": [r for r in records if "messages" in r],
+            "general": read_prompt_file(models_dir() / "smollm2" / "general_prompts.jsonl")}
+    sets["all 32 held-out"] = records
+    labels = args.configs.split(",")
+    result = {"command": command_line("python -m specinfer_bench.heads", argv), "machine": machine(),
+              "llm": DEFAULT_LLM, "head": str(heads[0]), "dtype": "float32", "max_new_tokens": args.max_new_tokens,
+              "sets": {}}
+    bar = tqdm(total=len(sets) * len(labels), unit="config")
+    for name, recs in sets.items():
+        prompts = load_prompt_ids(llm_dir, recs)[: args.prompts]
+        rows, reference = [], None
+        for label in labels:
+            use_ssm, use_head, mode, expansion, lookup = CONFIGS[label]
+            outs, figures = run(llm, [ssm] if use_ssm else [], mode, expansion, prompts, args.max_new_tokens, 0.0,
+                                lookup, heads=[head] if use_head else [], adaptive=mode != Mode.INCREMENTAL)
+            reference = outs if reference is None else reference
+            if outs != reference:
+                sys.exit(f"{name}, {label}: greedy outputs differ from incremental decoding; no figures reported")
+            row = summarize(label, 0.0, figures)
+            row["speedup"] = row["tokens_per_s"] / (rows[0]["tokens_per_s"] if rows else row["tokens_per_s"])
+            rows.append(row)
+            bar.update()
+        result["sets"][name] = {"prompts": len(prompts), "rows": rows}
+    bar.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    text = markdown(result)
+    args.out.with_suffix(".md").write_text(text)
+    plot(result, args.out.with_suffix(".png"))
+    print(text)
+    return 0
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Feature drafter against token drafter, in process ({result['machine']})", "",
+             f"`{result['command']}`", "",
+             f"{result['llm']}, {result['dtype']}, greedy, one request at a time, {result['max_new_tokens']} new tokens; "
+             "outputs identical to incremental decoding in every row; the controller picks each step's depth.", ""]
+    for name, s in result["sets"].items():
+        lines += [f"## {name} ({s['prompts']} requests)", "",
+                  "| config | tokens per LLM step | tok/s | vs incremental | acceptance by depth |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in s["rows"]:
+            acc = " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"
+            lines.append(f"| {r['config']} | {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['speedup']:.2f}x | {acc} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = _plt()
+    sets = list(result["sets"])
+    labels = [r["config"] for r in result["sets"][sets[0]]["rows"]]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        for ax, key in zip(axes, ("tokens_per_step", "speedup")):
+            ax.bar([k + i * width for k in range(len(sets))],
+                   [next(r[key] for r in result["sets"][s]["rows"] if r["config"] == label) for s in sets],
+                   width, label=label)
+    for ax, title in zip(axes, ("tokens per LLM step", "tok/s vs incremental")):
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(sets))], sets)
+        ax.set_title(title)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['llm']}: feature drafter (EAGLE-3 head) vs SSM 0, in process, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
