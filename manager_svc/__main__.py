@@ -74,7 +74,8 @@ class ManagerConfig(ServerConfig):
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
     port: int = option(50051, "port to listen on (0: any free port)")
-    max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
+    max_message_bytes: int = option(16 << 20, "largest gRPC message accepted or sent (a verifier's answer "
+                                              "carries up to 8 MiB of features for feature speculators)")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
 

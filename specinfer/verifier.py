@@ -14,6 +14,7 @@ path with no speculator at all.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,9 @@ from .model import LlamaModel, StepInput, check_token_ids, row_starts
 from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
 from .acceptance import Verdict, verify_batch
+
+
+FEATURE_BYTES = 8 << 20  # features a step returns at most: half the services' 16 MiB messages
 
 
 @dataclass
@@ -46,10 +50,12 @@ class Features:
 
 class Verifier:
     def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
-                 progress: bool = False, feature_layers: tuple[int, ...] = ()):
-        """feature_layers: the layers whose entering residual stream a request may ask for (`Features`)."""
+                 progress: bool = False, feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES):
+        """feature_layers: the layers whose entering residual stream a request may ask for (`Features`);
+        feature_bytes: the most a step returns of them (see `_attach_features`)."""
         self.model = model
         self.feature_layers = tuple(feature_layers)
+        self.feature_bytes = feature_bytes
         if feature_layers:  # before the runner captures graphs of the forward
             if model.aux_layers and model.aux_layers != self.feature_layers:
                 raise ValueError(f"feature_layers: the model already keeps the features of layers {model.aux_layers}")
@@ -110,19 +116,27 @@ class Verifier:
 
     def _attach_features(self, batch: list[VerifyRequest], items: list[StepInput], verdicts: list[Verdict],
                          firsts: list[int]) -> None:
-        """Give each verdict that asked for them its committed rows' features, in one copy to the host."""
-        index, counts, at = [], [], 0
-        for req, it, v in zip(batch, items, verdicts):
-            n_new = len(it.new_tokens)
-            if req.features:
-                rows = list(range(at, at + n_new)) + [at + n_new + u for u in v.path]
-                index += rows
-                counts.append(len(rows))
-            at += n_new + len(it.tree_tokens)
+        """Give each verdict that asked for them its committed rows' features, in one copy to the host.
+        A step returns at most `feature_bytes` of them: the accepted paths' and previous bonus tokens'
+        always, and of each prompt its newest rows within an equal share of the rest (a drafter
+        feeds the older positions without features: it drafts worse there, never wrongly)."""
+        asked = [i for i, req in enumerate(batch) if req.features]
+        width = self.run.features.shape[1] * self.run.features.element_size()
+        steady = sum(len(verdicts[i].path) + (len(items[i].new_tokens) == 1) for i in asked)
+        prompts = sum(len(items[i].new_tokens) > 1 for i in asked)
+        share = max(0, self.feature_bytes // width - steady) // max(prompts, 1)
+        starts = [0, *itertools.accumulate(len(it.new_tokens) + len(it.tree_tokens) for it in items)]
+        index, counts, skipped = [], [], []
+        for i in asked:
+            at, n_new = starts[i], len(items[i].new_tokens)
+            skip = max(0, n_new - share) if n_new > 1 else 0
+            rows = list(range(at + skip, at + n_new)) + [at + n_new + u for u in verdicts[i].path]
+            index += rows
+            counts.append(len(rows))
+            skipped.append(skip)
         rows = self.run.features[torch.tensor(index, device=self.run.features.device)].cpu().split(counts)
-        asked = (i for i, req in enumerate(batch) if req.features)
-        for i, r in zip(asked, rows):
-            verdicts[i].features = Features(firsts[i], r)
+        for i, skip, r in zip(asked, skipped, rows):
+            verdicts[i].features = Features(firsts[i] + skip, r)
 
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         """The LLM's logits [R, V] on its device, 1 + n_tree rows per item (a model-parallel

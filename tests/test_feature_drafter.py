@@ -93,6 +93,17 @@ def itertools_accumulate(xs):
     return out
 
 
+def test_a_step_returns_at_most_its_feature_bytes_newest_prompt_rows_first(fixture_llm):
+    """Two prompts and a budget of 5 rows: each prompt's newest 2 rows, as a plain prefill computes them."""
+    row_bytes = len(LAYERS) * fixture_llm.cfg.hidden_size * 4
+    verifier = Verifier(fixture_llm, feature_layers=tuple(LAYERS), feature_bytes=5 * row_bytes)
+    verdicts = verifier.step([VerifyRequest("a", PROMPTS[0], features=True), VerifyRequest("b", PROMPTS[1], features=True)])
+    for prompt, v in zip(PROMPTS, verdicts):
+        assert v.features.start == len(prompt) - 2 and len(v.features.rows) == 2
+        full = record_features(fixture_llm, prompt + [0])
+        torch.testing.assert_close(v.features.rows, full[-2:], rtol=1e-4, atol=1e-4)
+
+
 def test_features_are_refused_by_a_verifier_without_feature_layers(fixture_llm):
     verifier = Verifier(fixture_llm)
     with pytest.raises(ValueError, match="features"):

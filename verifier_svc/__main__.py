@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specinfer.checkpoints import DEFAULT_LLM, resolve_device, resolve_dtype
 from specinfer.model import LlamaModel
-from specinfer.verifier import Verifier
+from specinfer.verifier import FEATURE_BYTES, Verifier
 from specinfer_rpc.config import ModelServerConfig, load_config, option
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import run, serve
@@ -34,6 +34,8 @@ class VerifierConfig(ModelServerConfig):
     dist_timeout: float = option(30.0, "seconds a torch.distributed collective may wait for a rank")
     feature_layers: list[int] = option([], "LLM layers whose entering residual stream a step returns for the requests "
                                            "a feature speculator drafts for (an EAGLE-3 head's; empty: none)")
+    feature_bytes: int = option(FEATURE_BYTES, "features a step returns at most (beyond it, a prompt's oldest rows "
+                                               "are left out; keep it under the manager's --max-message-bytes)")
 
 
 def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
@@ -50,7 +52,7 @@ def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
         if not all(0 <= i < model.cfg.num_layers for i in cfg.feature_layers):
             raise ValueError(f"feature_layers: {cfg.feature_layers} are not all layers of the LLM (0..{model.cfg.num_layers - 1})")
         verifier = Verifier(model, cfg.kv_cache_tokens, cfg.graphs(), progress=True,
-                            feature_layers=tuple(cfg.feature_layers))
+                            feature_layers=tuple(cfg.feature_layers), feature_bytes=cfg.feature_bytes)
         print(f"verifier: {verifier.run.describe()}", flush=True)
     return verifier
 
