@@ -376,6 +376,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             "id": info.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
             "specinfer": {"expansion": list(info.expansion), "tree_budget": info.tree_budget,
                           "speculators": info.speculators, "context_lookup_mask": info.context_lookup_mask,
+                          "drafters": list(info.drafter_names),
                           "context_length": info.context_length,
                           "default_max_new_tokens": info.default_max_new_tokens,
                           "max_new_tokens_cap": info.max_new_tokens_cap,

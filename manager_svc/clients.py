@@ -146,6 +146,7 @@ class SpeculatorClient:
         self.retry_at = 0.0
         self.draft_ns = 0  # the speculator's own time in the last exchange
         self.feature_layers: tuple[int, ...] = ()  # a feature speculator's (SpeculatorInfo), read as the stream opens
+        self.model_names: list[str] = []  # what it hosts (SpeculatorInfo), likewise
 
     @property
     def connected(self) -> bool:
@@ -158,6 +159,7 @@ class SpeculatorClient:
     async def _open(self) -> None:
         """Ask what the speculator is (a feature speculator's drafts carry features), then open the stream."""
         info = await self.stub.GetInfo(speculator_pb2.GetSpeculatorInfoRequest(), timeout=self.timeout)
+        self.model_names = list(info.model_names)
         layers = tuple(info.feature_layers)
         if layers and layers != self.verifier_layers:
             raise FeaturesMismatch(f"speculator {self.address} reads the LLM's features of layers {list(layers)}, "

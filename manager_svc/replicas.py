@@ -40,6 +40,11 @@ class SpeculatorReplicas:
         self.draft_ns = 0  # the slowest replica's own time in the last exchange
 
     @property
+    def name(self) -> str:
+        """What the replicas host, as the first that answered says ("" before any did)."""
+        return next(("+".join(r.model_names) for r in self.replicas.values() if r.model_names), "")
+
+    @property
     def wants_features(self) -> bool:
         return any(r.wants_features for r in self.replicas.values())
 

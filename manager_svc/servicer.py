@@ -82,6 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = generation_pb2.ModelInfo()
         info.CopyFrom(self.info)
         info.speculators = sum(d.connected for d in self.scheduler.engine.drafters)
+        info.drafter_names[:] = [d.name for d in self.scheduler.engine.drafters]
         return info
 
     @rpc_errors

@@ -8,6 +8,8 @@ Three kinds of request, so that the head learns the LLM rather than one kind of 
   - general: questions and tasks of every kind, which the LLM writes itself from a list of topics and
     kinds of request (sampled, one seed each). None of the topics is a subject of the held-out general
     requests (models/smollm2/general_prompts.jsonl).
+and, as EAGLE's heads learn from a fixed corpus, windows of the corpus itself with the LLM's features
+and targets (no reply: volume for the cost of one forward).
 Each stage is cached under --work in chunks, so a run that stops resumes where it was.
 """
 

@@ -67,11 +67,17 @@ def distillation_set(args, llm_dir: Path, llm_file: Path) -> dict:
         seqs += part
         loss_from += [0 if kind == "code" else len(p) - 1 for p in prompts]
         kinds += [kind] * len(part)
+    corpus = code_windows(tokenizer, train_files, random.Random(args.seed + 1000), args.corpus, 256)
+    seqs, loss_from, kinds = seqs + corpus, loss_from + [0] * len(corpus), kinds + ["corpus"] * len(corpus)
     engine = llm = None
     hf = LlamaForCausalLM.from_pretrained(llm_dir, dtype=torch.float32).eval()
     layers = default_layers(hf.config.num_hidden_layers)
+    n = len(seqs) - len(corpus)  # the replies' features, then the corpus windows', cached apart
     feats, ids, probs = cached(work / f"features-{key}-{'-'.join(map(str, layers))}.pt",
-                               lambda: features_and_targets(hf, seqs, layers))
+                               lambda: features_and_targets(hf, seqs[:n], layers))
+    more = cached(work / f"features-corpus-{args.seed}-{args.corpus}-{'-'.join(map(str, layers))}.pt",
+                  lambda: features_and_targets(hf, seqs[n:], layers))
+    feats, ids, probs = feats + more[0], ids + more[1], probs + more[2]
     print(f"distillation set: {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens "
           f"({sum(len(s) - f for s, f in zip(seqs, loss_from)):,} learnt)")
     return {"seqs": seqs, "loss_from": loss_from, "feats": feats, "ids": ids, "probs": probs, "kinds": kinds}
@@ -142,8 +148,8 @@ def batch_of(data: dict, rows: list[int], noise: float, gen: torch.Generator):
 
 
 def train(args, data: dict, llm: LlamaModel, llm_file: Path) -> None:
-    counts = torch.bincount(torch.cat([torch.tensor(s[f:]) for s, f in zip(data["seqs"], data["loss_from"])]),
-                            minlength=llm.cfg.vocab_size)
+    counts = torch.bincount(torch.cat([torch.tensor(s[f:]) for s, f, k in zip(data["seqs"], data["loss_from"], data["kinds"])
+                                       if k != "corpus"]), minlength=llm.cfg.vocab_size)  # what the LLM writes
     vocab = sorted(counts.argsort(descending=True, stable=True)[: args.draft_vocab].tolist())
     layers = default_layers(llm.cfg.num_layers)
     head = new_head(llm, vocab, layers, llm.cfg.intermediate_size)
@@ -158,7 +164,8 @@ def train(args, data: dict, llm: LlamaModel, llm_file: Path) -> None:
         return soft_loss(head, head.chains(feats, tokens, args.ttt), index, ids, probs, mask, 0.8)
 
     steps = args.epochs * len(order) // args.batch
-    recipe = f"v{args.draft_vocab}-t{args.ttt}-e{args.epochs}-b{args.batch}-n{args.noise:g}-lr{args.lr:g}"
+    recipe = (f"c{args.corpus}-v{args.draft_vocab}-t{args.ttt}-e{args.epochs}-b{args.batch}-n{args.noise:g}"
+              f"-lr{args.lr:g}")
     optimize(head, loss, steps, args.lr, 0.0, (0.9, 0.95), gen, args.work / f"head-{recipe}.ckpt", "head (TTT)",
              autocast=False)
     save_head(args.out / args.name, llm.cfg, {k: v.detach().to(torch.bfloat16) for k, v in head.published().items()},
@@ -219,6 +226,7 @@ def main():
     ap.add_argument("--code", type=int, default=512, help="code windows to continue")
     ap.add_argument("--chat", type=int, default=512, help="code-chat requests to answer")
     ap.add_argument("--general", type=int, default=768, help="general requests the LLM writes, then answers")
+    ap.add_argument("--corpus", type=int, default=1024, help="windows of 256 tokens of the corpus itself (no reply)")
     ap.add_argument("--name", default="head-0", help="the head's directory under --out")
     ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head drafts from: those the replies use most")
     ap.add_argument("--ttt", type=int, default=3, help="training-time test: steps of each chain the head is trained on")
@@ -242,7 +250,7 @@ def main():
             return
         train(args, data, LlamaModel.from_pretrained(llm_dir), llm_file)
     report = evaluate(args, LlamaModel.from_pretrained(llm_dir), AutoTokenizer.from_pretrained(llm_dir))
-    report["recipe"] = {k: getattr(args, k) for k in ("code", "chat", "general", "draft_vocab", "ttt", "epochs",
+    report["recipe"] = {k: getattr(args, k) for k in ("code", "chat", "general", "corpus", "draft_vocab", "ttt", "epochs",
                                                       "batch", "lr", "noise")}
     print(json.dumps(report, indent=2))
     args.report.parent.mkdir(parents=True, exist_ok=True)

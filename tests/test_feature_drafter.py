@@ -229,7 +229,7 @@ def test_greedy_through_the_services_with_a_feature_speculator_is_the_llms_own(h
     import grpc
 
     from specinfer_rpc.client import generate_all
-    from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
+    from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
     from .services import reference_greedy
 
@@ -240,6 +240,9 @@ def test_greedy_through_the_services_with_a_feature_speculator_is_the_llms_own(h
     streams = generate_all(head_system.manager.address, [Request(p, 32) for p in prompts], "2,2,1")
     assert [s.token_ids for s in streams] == reference_greedy(prompts, 32)
     assert sum(s.usage.verifier_steps for s in streams) < sum(len(s.token_ids) for s in streams)
+    with grpc.insecure_channel(head_system.manager.address) as channel:  # the viewer names each drafter
+        model = generation_pb2_grpc.GenerationStub(channel).GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert list(model.drafter_names) == ["ssm-0", "head"]
 
 
 @pytest.mark.parametrize("rows,width,dtype,data,start", [

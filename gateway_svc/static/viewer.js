@@ -435,7 +435,8 @@ function drawTree(step) {
                         'data-depth': node.depth, 'data-speculators': node.mask ?? null});
     const fill = node.kind === 'draft' ? svgFill(node.mask) : null;
     const stroke = node.kind === 'draft' && !node.accepted ? maskStroke(node.mask) : null;
-    const who = node.kind === 'draft' ? bits(node.mask).map(s => `SSM ${s}`).join(' + ') : '';
+    const lookup = server?.specinfer?.context_lookup_mask || 0;
+    const who = node.kind === 'draft' ? bits(node.mask).map(s => (1 << s) === lookup ? 'context lookup' : drafterName(s)).join(' + ') : '';
     const what = {root: 'last token before the step', bonus: "the LLM's bonus token",
                   draft: `proposed by ${who}${node.accepted ? ', accepted' : ''}`}[node.kind];
     g.append(
@@ -447,13 +448,18 @@ function drawTree(step) {
   return out;
 }
 
+/** What speculator s hosts, as the server names it (an SSM, or a feature drafter's head). */
+function drafterName(s) {
+  return server?.specinfer?.drafters?.[s] || `SSM ${s}`;
+}
+
 function drawLegend(speculators) {
   if (speculators <= legendFor && $('legend').children.length) return;
   legendFor = speculators;
   const lookup = server?.specinfer?.context_lookup_mask || 0;  // the manager's context lookup, not an SSM
   const items = [];
   for (let s = 0; s < speculators; s++) {
-    items.push([(1 << s) === lookup ? 'context lookup' : `SSM ${s}`, cssFill(1 << s), maskStroke(1 << s)]);
+    items.push([(1 << s) === lookup ? 'context lookup' : drafterName(s), cssFill(1 << s), maskStroke(1 << s)]);
   }
   if (speculators > 1) items.push([speculators > 2 ? 'several drafters' : 'both', cssFill(3), maskStroke(3)]);
   items.push(['accepted path', '#ffffff', GREEN], ['★ bonus (LLM)', GREEN, GREEN]);

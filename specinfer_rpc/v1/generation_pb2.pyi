@@ -110,7 +110,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask", "drafter_names")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class ModelInfo(_message.Message):
     TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SPECULATORS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LOOKUP_MASK_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_NAMES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -131,7 +132,8 @@ class ModelInfo(_message.Message):
     tree_budget: int
     speculators: int
     context_lookup_mask: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ...) -> None: ...
+    drafter_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ..., drafter_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
