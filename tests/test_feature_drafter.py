@@ -268,3 +268,14 @@ def test_corrupt_features_get_invalid_argument_naming_the_field(head_system, row
             list(call)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "features (request" in e.value.details() and "bad)" in e.value.details()
+
+
+@pytest.mark.parametrize("dtype,bytes_per_value", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_features_cross_the_wire_bit_for_bit(dtype, bytes_per_value):
+    from specinfer_rpc.convert import features_from_pb, features_to_pb
+
+    f = Features(7, torch.randn(5, 12).to(dtype))
+    pb = features_to_pb(f)
+    assert (pb.start, pb.rows, pb.width, len(pb.data)) == (7, 5, 12, 5 * 12 * bytes_per_value)
+    back = features_from_pb(pb, "features")
+    assert back.start == 7 and back.rows.dtype == dtype and torch.equal(back.rows, f.rows)
