@@ -74,8 +74,10 @@ class ManagerConfig(ServerConfig):
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
     port: int = option(50051, "port to listen on (0: any free port)")
-    max_message_bytes: int = option(16 << 20, "largest gRPC message accepted or sent (a verifier's answer "
-                                              "carries up to 8 MiB of features for feature speculators)")
+    max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
+    internal_message_bytes: int = option(16 << 20, "largest gRPC message to or from the verifier and the speculators "
+                                                   "(a verifier's answer carries up to its --feature-bytes, 8 MiB, of "
+                                                   "features for feature speculators)")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
 
@@ -93,10 +95,10 @@ async def main(cfg: ManagerConfig) -> None:
         raise ValueError(f"kv_cache_share: must be in (0, 1], got {cfg.kv_cache_share}")
     targets = [parse_target(entry) for entry in cfg.speculators]
     credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)  # to the verifier and speculators
-    verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.max_message_bytes, credentials)
+    verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.internal_message_bytes, credentials)
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
-    speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.max_message_bytes, credentials,
+    speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.internal_message_bytes, credentials,
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
     lookup = cfg.context_lookup and bool(speculators)
