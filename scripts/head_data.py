@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.generate import Engine, Mode, Request
+from specinfer.generate import Engine, Request
 from specinfer.prompts import prompt_ids
 from specinfer.sampling import SamplingParams
 

@@ -25,10 +25,9 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from head_data import features_and_targets, general_requests, replies  # noqa: E402
 from train_fixtures import corpus_files, optimize  # noqa: E402
-from train_models import chat_request, code_windows, functions  # noqa: E402
+from train_models import chat_request, code_windows, functions, installed_llm  # noqa: E402
 
-from specinfer.checkpoints import (BASE, DEFAULT_LLM, DEFAULT_LLM_FILE, DEFAULT_LLM_INSTALL,  # noqa: E402
-                                   checkpoint_dir, default_llm_file)
+from specinfer.checkpoints import BASE, DEFAULT_LLM_FILE, DEFAULT_LLM_INSTALL, checkpoint_dir  # noqa: E402
 from specinfer.eagle import EagleHead, HeadConfig, default_layers, save_head  # noqa: E402
 from specinfer.generate import Engine, Mode, Request  # noqa: E402
 from specinfer.gguf_checkpoint import sha256  # noqa: E402
@@ -226,11 +225,12 @@ def main():
     ap.add_argument("--code", type=int, default=512, help="code windows to continue")
     ap.add_argument("--chat", type=int, default=512, help="code-chat requests to answer")
     ap.add_argument("--general", type=int, default=768, help="general requests the LLM writes, then answers")
-    ap.add_argument("--corpus", type=int, default=1024, help="windows of 256 tokens of the corpus itself (no reply)")
+    ap.add_argument("--corpus", type=int, default=0, help="also windows of 256 tokens of the corpus itself (no reply; "
+                                                         "the shipped head has none)")
     ap.add_argument("--name", default="head-0", help="the head's directory under --out")
-    ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the head drafts from: those the replies use most")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts from: those the replies use most")
     ap.add_argument("--ttt", type=int, default=3, help="training-time test: steps of each chain the head is trained on")
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--noise", type=float, default=0.1, help="uniform noise on the features, times each row's RMS")
@@ -239,11 +239,7 @@ def main():
     ap.add_argument("--evaluate-only", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    try:
-        llm_file = default_llm_file()
-    except FileNotFoundError as e:
-        raise SystemExit(str(e))
-    llm_dir = checkpoint_dir(DEFAULT_LLM)
+    llm_file, llm_dir = installed_llm()
     if not args.evaluate_only:
         data = distillation_set(args, llm_dir, llm_file)
         if args.stage == "data":

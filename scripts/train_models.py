@@ -229,6 +229,15 @@ def evaluate(out: Path, llm: LlamaModel, tokenizer, new_tokens: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ main
 
+def installed_llm() -> tuple[Path, Path]:
+    """The default LLM's GGUF file and checkpoint directory, or exit saying how to install it."""
+    try:
+        llm_file = default_llm_file()
+    except FileNotFoundError as e:
+        raise SystemExit(str(e))
+    return llm_file, checkpoint_dir(DEFAULT_LLM)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("models/smollm2"))
@@ -250,11 +259,7 @@ def main():
     ap.add_argument("--evaluate-only", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    try:
-        llm_file = default_llm_file()
-    except FileNotFoundError as e:
-        raise SystemExit(str(e))
-    llm_dir = checkpoint_dir(DEFAULT_LLM)
+    llm_file, llm_dir = installed_llm()
     tokenizer = AutoTokenizer.from_pretrained(llm_dir)
     llm = LlamaModel.from_pretrained(llm_dir)
     train_files, heldout_files = corpus_files(args.heldout_every)
