@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from head_data import features_and_targets, general_requests, replies  # noqa: E402
 from train_fixtures import corpus_files, optimize  # noqa: E402
-from train_models import chat_request, code_windows, functions, installed_llm  # noqa: E402
+from train_models import cached, chat_request, code_windows, functions, installed_llm  # noqa: E402
 
 from specinfer.checkpoints import BASE, DEFAULT_LLM_FILE, DEFAULT_LLM_INSTALL, checkpoint_dir  # noqa: E402
 from specinfer.eagle import EagleHead, HeadConfig, default_layers, save_head  # noqa: E402
@@ -34,14 +34,6 @@ from specinfer.gguf_checkpoint import sha256  # noqa: E402
 from specinfer.model import LlamaModel, read_draft_vocab  # noqa: E402
 from specinfer.prompts import prompt_ids, read_prompt_file  # noqa: E402
 from specinfer.verifier import Verifier, VerifyRequest  # noqa: E402
-
-
-def cached(path: Path, make):
-    if path.exists():
-        return torch.load(path)
-    value = make()
-    torch.save(value, path)
-    return value
 
 
 def distillation_set(args, llm_dir: Path, llm_file: Path) -> dict:
