@@ -20,6 +20,12 @@ stage s + 1 works on micro-batch i.
 Every rank keeps caches for every request (its own layers and heads) and runs the same
 bookkeeping, so only hidden states, logits shards and the verdicts cross ranks. The first rank
 of the last stage verifies and broadcasts each request's accepted path; every rank commits it.
+
+Features (a feature drafter's input, verifier.py): the residual stream entering a layer is whole
+on every tensor-parallel rank of its stage (the row-parallel outputs are all-reduced), so the first
+rank of each stage that holds feature layers picks the committed rows of its own layers, once the
+verdicts are known, and sends them to rank 0, the serving process, which puts the columns in the
+order the layers were asked for. No rank sends more than the rows that step returns.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch import nn
 
 from .graphs import GraphConfig
 from .model import LlamaModel, ModelConfig, StepInput, read_weights
-from .verifier import Verifier, VerifyRequest
+from .verifier import FEATURE_BYTES, Verifier, VerifyRequest, check_feature_layers
 from .acceptance import Verdict
 
 
@@ -194,15 +200,25 @@ def apply_tensor_parallel(model: LlamaModel, layout: RankLayout, group) -> None:
 class PipelineVerifier(Verifier):
     """One rank's verifier: its stage of the model, its shard of every request's KV cache."""
 
-    def __init__(self, model: LlamaModel, kv_tokens: int, layout: RankLayout):
-        super().__init__(model, kv_tokens, GraphConfig(mode="eager"))  # its forward is its own, eager
+    def __init__(self, model: LlamaModel, kv_tokens: int, layout: RankLayout, n_layers: int,
+                 feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES):
+        """n_layers: the whole LLM's; feature_layers: of the whole LLM (`Verifier`)."""
+        super().__init__(model, kv_tokens, GraphConfig(mode="eager"), feature_bytes=feature_bytes)  # its own forward
         self.layout = layout
+        check_feature_layers(feature_layers, n_layers)
+        self.feature_layers = tuple(feature_layers)
+        stages = [RankLayout(layout.tp, layout.pp, s * layout.tp).layers(n_layers) for s in range(layout.pp)]
+        self.holders = {s: [i for i in self.feature_layers if i in r] for s, r in enumerate(stages)}  # in asked order
+        self.holders = {s: held for s, held in self.holders.items() if held}
+        mine = stages[layout.stage]
+        model.aux_layers = tuple(i - mine.start for i in self.holders.get(layout.stage, ()))
+        self.features: torch.Tensor | None = None  # this stage's, of the last step's rows
 
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         lay, model = self.layout, self.model
         n_micro = min(lay.pp, len(items))
         chunks = [items[i * len(items) // n_micro:(i + 1) * len(items) // n_micro] for i in range(n_micro)]
-        logits, sends = [], []
+        logits, sends, features = [], [], []
         for chunk in chunks:
             step = model.prepare(model.layout(chunk))
             if lay.first:
@@ -211,13 +227,34 @@ class PipelineVerifier(Verifier):
                 x = torch.empty(len(step.ids), model.cfg.hidden_size, dtype=model.dtype, device=model.device)
                 dist.recv(x, src=lay.rank - lay.tp)
             x = model.run_layers(x, step)
+            features.append(step.features)
             if lay.last:
                 logits.append(model.logits(x, step))
             else:
                 sends.append(dist.isend(x, dst=lay.rank + lay.tp))
         for s in sends:
             s.wait()
+        self.features = torch.cat(features) if model.aux_layers else None
         return torch.cat(logits) if lay.last else None
+
+    def feature_rows(self, index: list[int]) -> torch.Tensor:
+        """Rank 0: every stage's features of rows `index`, gathered; other ranks send theirs (if they
+        are their stage's first rank and it holds any) and return [len(index), 0]."""
+        lay, H = self.layout, self.model.cfg.hidden_size
+        mine = self.features[torch.tensor(index, device=self.features.device)] if self.features is not None else None
+        if lay.rank:
+            if lay.tp_rank == 0 and mine is not None:
+                dist.send(mine.contiguous(), dst=0)
+            return torch.empty(len(index), 0)
+        columns = {}
+        for stage, held in self.holders.items():
+            if stage == lay.stage:
+                part = mine
+            else:
+                part = torch.empty(len(index), len(held) * H, dtype=self.model.dtype, device=self.model.device)
+                dist.recv(part, src=stage * lay.tp)
+            columns.update(zip(held, part.split(H, dim=1)))
+        return torch.cat([columns[i] for i in self.feature_layers], dim=1).cpu()
 
     def decide(self, batch: list[VerifyRequest], logits, starts: list[int]) -> list[Verdict]:
         verdicts = [super().decide(batch, logits, starts) if self.layout.rank == self.layout.leader else None]

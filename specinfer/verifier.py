@@ -48,6 +48,13 @@ class Features:
     rows: torch.Tensor  # [n, len(layers) * hidden] on the host, in the LLM's dtype
 
 
+def check_feature_layers(layers, n_layers: int) -> None:
+    if not all(0 <= i < n_layers for i in layers):
+        raise ValueError(f"feature_layers: {list(layers)} are not all layers of the LLM (0..{n_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"feature_layers: {list(layers)} names a layer twice")
+
+
 class Verifier:
     def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
                  progress: bool = False, feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES):
@@ -57,6 +64,7 @@ class Verifier:
         self.feature_layers = tuple(feature_layers)
         self.feature_bytes = feature_bytes
         if feature_layers:  # before the runner captures graphs of the forward
+            check_feature_layers(feature_layers, model.cfg.num_layers)
             if model.aux_layers and model.aux_layers != self.feature_layers:
                 raise ValueError(f"feature_layers: the model already keeps the features of layers {model.aux_layers}")
             model.aux_layers = self.feature_layers
@@ -121,7 +129,7 @@ class Verifier:
         always, and of each prompt its newest rows within an equal share of the rest (a drafter
         feeds the older positions without features: it drafts worse there, never wrongly)."""
         asked = [i for i, req in enumerate(batch) if req.features]
-        width = self.run.features.shape[1] * self.run.features.element_size()
+        width = len(self.feature_layers) * self.model.cfg.hidden_size * self.model.dtype.itemsize
         steady = sum(len(verdicts[i].path) + (len(items[i].new_tokens) == 1) for i in asked)
         prompts = sum(len(items[i].new_tokens) > 1 for i in asked)
         share = max(0, self.feature_bytes // width - steady) // max(prompts, 1)
@@ -134,9 +142,13 @@ class Verifier:
             index += rows
             counts.append(len(rows))
             skipped.append(skip)
-        rows = self.run.features[torch.tensor(index, device=self.run.features.device)].cpu().split(counts)
+        rows = self.feature_rows(index).split(counts)
         for i, skip, r in zip(asked, skipped, rows):
             verdicts[i].features = Features(firsts[i] + skip, r)
+
+    def feature_rows(self, index: list[int]) -> torch.Tensor:
+        """The features of the step's rows `index`, [len(index), len(feature_layers) * hidden] on the host."""
+        return self.run.features[torch.tensor(index, device=self.run.features.device)].cpu()
 
     def forward(self, items: list[StepInput]) -> torch.Tensor | None:
         """The LLM's logits [R, V] on its device, 1 + n_tree rows per item (a model-parallel

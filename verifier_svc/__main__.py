@@ -42,15 +42,11 @@ def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.tp * cfg.pp > 1:
-        if cfg.feature_layers:
-            raise ValueError("feature_layers: features are not returned by a tensor- or pipeline-parallel verifier yet")
         verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
-                                    cfg.dist_timeout)
+                                    cfg.dist_timeout, tuple(cfg.feature_layers), cfg.feature_bytes)
         print(f"verifier: tp {cfg.tp} x pp {cfg.pp}, ranks 1.. are pids {verifier.pids()}", flush=True)
     else:
         model = LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device)
-        if not all(0 <= i < model.cfg.num_layers for i in cfg.feature_layers):
-            raise ValueError(f"feature_layers: {cfg.feature_layers} are not all layers of the LLM (0..{model.cfg.num_layers - 1})")
         verifier = Verifier(model, cfg.kv_cache_tokens, cfg.graphs(), progress=True,
                             feature_layers=tuple(cfg.feature_layers), feature_bytes=cfg.feature_bytes)
         print(f"verifier: {verifier.run.describe()}", flush=True)

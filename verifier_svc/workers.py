@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specinfer.kv_cache import CacheFull
+from specinfer.model import ModelConfig
 from specinfer.parallel import RankLayout, PipelineVerifier, apply_tensor_parallel, init_rank, load_stage
-from specinfer.verifier import VerifyRequest
+from specinfer.verifier import FEATURE_BYTES, VerifyRequest, check_feature_layers
 from specinfer.acceptance import Verdict
 
 
@@ -36,14 +37,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def _build(layout: RankLayout, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
-           device: torch.device, kv_tokens: int, threads: int) -> PipelineVerifier:
+           device: torch.device, kv_tokens: int, threads: int, feature_layers: tuple[int, ...] = (),
+           feature_bytes: int = FEATURE_BYTES) -> PipelineVerifier:
     if threads:
         torch.set_num_threads(threads)
     device = rank_device(device, layout.rank)
     group = init_rank(layout, init_method, timeout_s, device)
     model = load_stage(model_dir, layout, dtype, device)
     apply_tensor_parallel(model, layout, group)
-    return PipelineVerifier(model, kv_tokens, layout)
+    return PipelineVerifier(model, kv_tokens, layout, ModelConfig.from_dir(model_dir).num_layers, feature_layers,
+                            feature_bytes)
 
 
 def _worker(layout: RankLayout, conn: multiprocessing.connection.Connection, *build_args) -> None:
@@ -73,16 +76,17 @@ def _free_port() -> int:
 class ParallelVerifier:
     """Rank 0: the same interface as `Verifier` (step, release, caches, pool, model)."""
 
-    feature_layers = ()  # returns no features (see verifier_svc's --feature-layers)
-
     def __init__(self, model_dir: str, tp: int, pp: int, dtype: torch.dtype, device: torch.device,
-                 kv_tokens: int, threads: int = 0, timeout_s: float = 30.0):
+                 kv_tokens: int, threads: int = 0, timeout_s: float = 30.0, feature_layers: tuple[int, ...] = (),
+                 feature_bytes: int = FEATURE_BYTES):
         gpus = torch.cuda.device_count()
         if device.type == "cuda" and device.index is None and gpus < tp * pp:
             raise ValueError(f"--tp {tp} --pp {pp}: {tp * pp} ranks need as many GPUs (NCCL runs one rank per "
                              f"GPU), this host has {gpus}; run them on the CPU with --device cpu (gloo)")
         ctx = mp.get_context("spawn")
-        build_args = (f"tcp://127.0.0.1:{_free_port()}", timeout_s, str(model_dir), dtype, device, kv_tokens, threads)
+        check_feature_layers(feature_layers, ModelConfig.from_dir(model_dir).num_layers)  # before any rank starts
+        build_args = (f"tcp://127.0.0.1:{_free_port()}", timeout_s, str(model_dir), dtype, device, kv_tokens, threads,
+                      tuple(feature_layers), feature_bytes)
         self.procs, self.conns = [], []
         for rank in range(1, tp * pp):
             parent, child = ctx.Pipe()
@@ -100,6 +104,10 @@ class ParallelVerifier:
     @property
     def model(self):
         return self.local.model
+
+    @property
+    def feature_layers(self):
+        return self.local.feature_layers
 
     @property
     def pool(self):
