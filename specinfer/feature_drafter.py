@@ -67,10 +67,10 @@ class FeatureSpeculator(Speculator):
     wants_features = True
 
     def __init__(self, head: EagleHead, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
-                 progress: bool = False):
+                 progress: bool = False, dynamic: bool = False):
         # the head runs eagerly: its rows carry hidden vectors beside their tokens, which the
         # padded buffers of a captured graph do not hold
-        super().__init__(head, index, q_top, kv_tokens, GraphConfig(mode="eager"), progress)
+        super().__init__(head, index, q_top, kv_tokens, GraphConfig(mode="eager"), progress, dynamic)
         self.head = head
         self.width = len(head.head_cfg.layers) * head.head_cfg.target_hidden_size
         self.known: dict[str, _Known] = {}

@@ -129,9 +129,10 @@ class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
-                 tree_budget: int | None = None, heads: list[EagleHead] = ()):
+                 tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
-        (sequence and tree: SSM 0, if any; merged: every SSM)."""
+        (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
+        expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py)."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -148,7 +149,8 @@ class Engine:
         adaptive, lookup = adaptive and speculating, lookup and speculating
         # each request's expansion: the server's, chosen per step (None), the whole config, or none
         self.own_expansion = None if adaptive else expansion if speculating else []
-        drafters = [Speculator(m, graphs=graphs) for m in used] + [FeatureSpeculator(h) for h in heads if speculating]
+        drafters = [Speculator(m, graphs=graphs, dynamic=dynamic) for m in used] + \
+            [FeatureSpeculator(h, dynamic=dynamic) for h in heads if speculating]
         self.verifier = Verifier(llm, graphs=graphs, feature_layers=heads[0].head_cfg.layers if heads else ())
         self.engine = SpeculativeEngine(
             LocalVerifier(self.verifier),

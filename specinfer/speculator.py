@@ -21,11 +21,21 @@ dropped from the tree). The finished trees cross to the host in one copy; there,
 dropped and repeated draws of one token under one parent (with replacement) become one node whose
 children are the union of the repeats' children, each repeat's draws kept as their own group.
 
+Dynamic trees (EAGLE-2, arXiv 2406.16858; `Speculator(dynamic=True)`), for requests with top-k
+drafts (greedy, or sampled and verified by coupled matching): the expansion <k_1, ..., k_m> is read
+as a budget, not a shape: depth m, level widths w_i = k_1 ... k_i, N = w_1 + ... + w_m nodes. Each
+frontier row proposes its top K = min(max w_i, DYNAMIC_TOP) tokens, scored by path log-probability
+under the drafter; a level's w_{i+1} best candidates are the next frontier (so a forward has the rows
+the fixed tree's would), and the tree is the N best candidates of all levels (closed under parents:
+a child never scores above its parent, and ties go to the older node). Choosing needs the scores on
+the host: one small copy per level, which fixed trees do not make.
+
 Losing a speculator's state only costs speed: the next `draft` recomputes whatever it is missing.
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass, field
 
@@ -36,6 +46,8 @@ from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .model import LlamaModel, StepInput, check_token_ids
 from .sampling import SamplingParams, probabilities, sparsify, stream_key, uniform
 from .tree import DraftGroup, TokenTree, merge
+
+DYNAMIC_TOP = 16  # a dynamic tree's candidates per frontier row at most
 
 
 @dataclass
@@ -62,8 +74,10 @@ class Speculator:
     wants_features = False  # a feature drafter's subclass reads the LLM's features (feature_drafter.py)
 
     def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
-                 graphs: GraphConfig = GraphConfig(), progress: bool = False):
+                 graphs: GraphConfig = GraphConfig(), progress: bool = False, dynamic: bool = False):
+        """dynamic: EAGLE-2's dynamic trees for requests with top-k drafts (see above)."""
         self.model = model
+        self.dynamic = dynamic
         self.pool = model.new_pool(kv_tokens)
         self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.index = index  # keeps each SSM's random draws independent of the others'
@@ -101,34 +115,49 @@ class Speculator:
         caches = self._sync(batch)
         keys = [stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 if r.sampling.sampled_drafts else None for r, c in zip(batch, caches)]
+        dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion else None
+                   for r, key in zip(batch, keys)]
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
+        fed: list[list[int]] = [[] for _ in batch]  # the nodes that went through the model, in its cache's order
         rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
         items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
         ids, levels, depth = None, [], 0
         while rows:
             logits = self._forward(items, ids)  # [len(rows), V]: one row per frontier node
-            k = [batch[row.request].expansion[depth] for row in rows]
+            k = [dynamic[row.request].top if dynamic[row.request] else batch[row.request].expansion[depth]
+                 for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
             levels.append((rows, k, children))
-            grown: dict[int, list[int]] = {}  # request -> its new nodes' parents, in order
-            for row, kr in zip(rows, k):
-                grown.setdefault(row.request, []).extend([row.node] * kr)
-            nxt = []
-            for r, parents in grown.items():
-                if depth + 1 < len(batch[r].expansion):
-                    nxt += [_Row(r, size[r] + j, j) for j in range(len(parents))]
-                size[r] += len(parents)
             kmax = children[0].shape[1]
-            picks = [ri * kmax + j for ri, (row, kr) in enumerate(zip(rows, k))
-                     if depth + 1 < len(batch[row.request].expansion) for j in range(kr)]
+            scores = _path_scores(logits, children[0], [i for i, row in enumerate(rows) if dynamic[row.request]])
+            new: dict[int, list[tuple[int, int]]] = {}  # request -> (row, child) of its new nodes, in order
+            for ri, (row, kr) in enumerate(zip(rows, k)):
+                new.setdefault(row.request, []).extend((ri, j) for j in range(kr))
+            nxt, picks, parents = [], [], {}
+            for r, nodes in new.items():
+                last = depth + 1 == len(batch[r].expansion)
+                if dynamic[r]:
+                    chosen = dynamic[r].level(depth, [(rows[ri].node, size[r] + u, scores[ri][j])
+                                                      for u, (ri, j) in enumerate(nodes)], last)
+                else:
+                    chosen = [] if last else range(len(nodes))
+                slot = {u: c for c, u in enumerate(fed[r])}
+                for index, u in enumerate(chosen):
+                    ri, j = nodes[u]
+                    nxt.append(_Row(r, size[r] + u, index))
+                    picks.append(ri * kmax + j)
+                    parents.setdefault(r, []).append(slot.get(rows[ri].node, -1))
+                fed[r] += [size[r] + u for u in chosen]
+                size[r] += len(nodes)
             drawn_ids = children[0].flatten()
             picked = None if len(picks) == drawn_ids.numel() else \
                 torch.tensor(picks, dtype=torch.long).to(logits.device, non_blocking=True)
             ids = drawn_ids if picked is None else drawn_ids[picked]
             self._follow(picked, kmax)
-            items = [StepInput(caches[r], [], [0] * len(grown[r]), grown[r]) for r in dict.fromkeys(x.request for x in nxt)]
+            items = [StepInput(caches[r], [], [0] * len(p), p) for r, p in parents.items()]
             rows, depth = nxt, depth + 1
-        return self._finish(batch, caches, levels)
+        keep = [d.keep() if d else None for d in dynamic]
+        return self._finish(batch, caches, levels, fed, keep)
 
     def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
         """One level's forward: logits [R, V]."""
@@ -178,8 +207,11 @@ class Speculator:
         drawn[s] = valid
         return tokens, drawn, q_ids, q_probs
 
-    def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list) -> list[TokenTree]:
-        """Copy every level's draws to the host at once and build each request's tree."""
+    def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list, fed: list[list[int]],
+                keep: list[set[int] | None]) -> list[TokenTree]:
+        """Copy every level's draws to the host at once and build each request's tree: its nodes
+        drawn, under drawn parents, and of a dynamic tree the kept ones. `fed`: the nodes in each
+        request's cache, in its order."""
         if not levels:
             return [TokenTree() for _ in batch]
         parts = []
@@ -191,7 +223,7 @@ class Speculator:
         for part in parts:
             chunks.append(values[at: at + part.numel()])
             at += part.numel()
-        raw = [TokenTree() for _ in batch]
+        raw = [TokenTree() for _ in batch]  # every candidate, -1 where not drawn
         alive: list[list[bool]] = [[] for _ in batch]
         for level, (rows, k, (tokens, _, q_ids, _)) in enumerate(levels):
             tok, ok, qi, bits = chunks[4 * level: 4 * level + 4]
@@ -199,14 +231,14 @@ class Speculator:
             kmax, width = tokens.shape[1], q_ids.shape[1]
             s = 0
             for ri, (row, kr) in enumerate(zip(rows, k)):
-                tree, live = raw[row.request], alive[row.request]
+                tree, live, kept = raw[row.request], alive[row.request], keep[row.request]
                 children = []
                 for j in range(kr):
-                    good = bool(ok[ri * kmax + j]) and (row.node < 0 or live[row.node])
+                    good = bool(ok[ri * kmax + j]) and (row.node < 0 or tree.tokens[row.node] >= 0)
                     tree.tokens.append(tok[ri * kmax + j] if good else -1)
                     tree.parents.append(row.node)
-                    live.append(good)
-                    if good:
+                    live.append(good and (kept is None or len(tree.tokens) - 1 in kept))
+                    if live[-1]:
                         children.append(len(tree.tokens) - 1)
                 req = batch[row.request]
                 if req.sampling.sampled_drafts:
@@ -217,13 +249,45 @@ class Speculator:
                                                       req.replacement))
                     s += 1
         out = []
-        for cache, tree, live in zip(caches, raw, alive):
-            # the cache holds the nodes that went through the SSM (all but the last level); a dead
-            # node's token (-1) never matches a committed token
-            cache.tree.tokens[:] = tree.tokens[: len(cache.tree)]
+        for cache, tree, live, nodes in zip(caches, raw, alive, fed):
+            # the cache holds the nodes that went through the SSM (of a fixed tree all but the last
+            # level); a dead node's token (-1) never matches a committed token
+            cache.tree.tokens[:] = [tree.tokens[u] for u in nodes]
             keep = [u for u in range(len(tree)) if live[u]]
             out.append(merge([_subtree(tree, keep)]))
         return out
+
+
+class _Dynamic:
+    """One request's dynamic tree while it grows: the path scores of its candidates."""
+
+    def __init__(self, expansion: list[int]):
+        self.widths = list(itertools.accumulate(expansion, lambda a, b: a * b))  # w_1 .. w_m
+        self.top = min(max(self.widths), DYNAMIC_TOP)
+        self.score: dict[int, float] = {-1: 0.0}  # node -> log-probability of its path (the root's: 0)
+
+    def level(self, depth: int, candidates: list[tuple[int, int, float]], last: bool) -> list[int]:
+        """Score a level's candidates (parent, node, log-probability); the positions among them of
+        the next frontier, in order (none after the last level)."""
+        for parent, node, logp in candidates:
+            self.score[node] = self.score[parent] + logp
+        if last:
+            return []
+        best = sorted(range(len(candidates)), key=lambda u: (-self.score[candidates[u][1]], u))
+        return sorted(best[: self.widths[depth]])  # as many as the fixed tree has at the candidates' depth
+
+    def keep(self) -> set[int]:
+        nodes = sorted((u for u in self.score if u >= 0), key=lambda u: (-self.score[u], u))
+        return set(nodes[: sum(self.widths)])
+
+
+def _path_scores(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> dict[int, list[float]]:
+    """Log-probabilities of the drafted children `tokens` [R, kmax] of the rows `rows`, on the host."""
+    if not rows:
+        return {}
+    at = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    values = logits[at].float().log_softmax(-1).gather(1, tokens[at]).cpu().tolist()
+    return dict(zip(rows, values))
 
 
 def _subtree(tree: TokenTree, keep: list[int]) -> TokenTree:

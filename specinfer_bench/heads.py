@@ -27,14 +27,17 @@ from specinfer.prompts import read_prompt_file
 from .inprocess import load_prompt_ids, run
 from .report import _plt, command_line, machine, summarize
 
-# label -> (SSM 0, the head, mode, expansion, context lookup)
+# label -> (SSM 0, the head, mode, expansion, context lookup, dynamic trees)
 CONFIGS = {
-    "incremental": (False, False, Mode.INCREMENTAL, [], False),
-    "SSM 0 <2,1> + lookup": (True, False, Mode.TREE, [2, 1], True),
-    "head <2,1,1,1> + lookup": (False, True, Mode.TREE, [2, 1, 1, 1], True),
-    "head <4,2,1,1,1>": (False, True, Mode.TREE, [4, 2, 1, 1, 1], False),
-    "head <4,2,1,1,1> + lookup": (False, True, Mode.TREE, [4, 2, 1, 1, 1], True),
-    "SSM 0 <2,1> + head <2,1> + lookup": (True, True, Mode.TREE, [2, 1], True),
+    "incremental": (False, False, Mode.INCREMENTAL, [], False, False),
+    "SSM 0 <2,1> + lookup": (True, False, Mode.TREE, [2, 1], True, False),
+    "SSM 0 dynamic <2,1,1> + lookup": (True, False, Mode.TREE, [2, 1, 1], True, True),
+    "head <2,1,1,1> + lookup": (False, True, Mode.TREE, [2, 1, 1, 1], True, False),
+    "head <4,2,1,1,1>": (False, True, Mode.TREE, [4, 2, 1, 1, 1], False, False),
+    "head <4,2,1,1,1> + lookup": (False, True, Mode.TREE, [4, 2, 1, 1, 1], True, False),
+    "head dynamic <4,2,1,1,1> + lookup": (False, True, Mode.TREE, [4, 2, 1, 1, 1], True, True),
+    "SSM 0 <2,1> + head <2,1> + lookup": (True, True, Mode.TREE, [2, 1], True, False),
+    "SSM 0 + head dynamic <2,1,1> + lookup": (True, True, Mode.TREE, [2, 1, 1], True, True),
 }
 
 
@@ -62,18 +65,19 @@ def main(argv: list[str] | None = None) -> int:
               "sets": {}}
     warm = load_prompt_ids(llm_dir, sets["code"][:1])
     for label in labels:  # the first forwards of each row count build oneDNN's kernels: not measured
-        use_ssm, use_head, mode, expansion, lookup = CONFIGS[label]
+        use_ssm, use_head, mode, expansion, lookup, dynamic = CONFIGS[label]
         run(llm, [ssm] if use_ssm else [], mode, expansion, warm, 16, 0.0, lookup, heads=[head] if use_head else [],
-            adaptive=mode != Mode.INCREMENTAL)
+            adaptive=mode != Mode.INCREMENTAL, dynamic=dynamic)
     bar = tqdm(total=len(sets) * len(labels), unit="config")
     raw = {}
     for name, recs in sets.items():
         prompts = load_prompt_ids(llm_dir, recs)[: args.prompts]
         reference = None
         for label in labels:
-            use_ssm, use_head, mode, expansion, lookup = CONFIGS[label]
+            use_ssm, use_head, mode, expansion, lookup, dynamic = CONFIGS[label]
             outs, figures = run(llm, [ssm] if use_ssm else [], mode, expansion, prompts, args.max_new_tokens, 0.0,
-                                lookup, heads=[head] if use_head else [], adaptive=mode != Mode.INCREMENTAL)
+                                lookup, heads=[head] if use_head else [], adaptive=mode != Mode.INCREMENTAL,
+                                dynamic=dynamic)
             reference = outs if reference is None else reference
             if outs != reference:
                 sys.exit(f"{name}, {label}: greedy outputs differ from incremental decoding; no figures reported")

@@ -26,11 +26,12 @@ QUICK = {"ours incremental", "ours sequence <1x4>", "ours tree <2,1,1>", "ours t
 
 def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int], prompts: list[list[int]],
         max_new_tokens: int, temperature: float, lookup: bool = False, mss: bool = False, heads=(),
-        adaptive: bool = False) -> tuple[list[list[int]], dict]:
+        adaptive: bool = False, dynamic: bool = False) -> tuple[list[list[int]], dict]:
     """Outputs and figures: tokens, LLM forwards (prefill included), per-request seconds, and the
     acceptance by depth (share of steps whose accepted path reached depth d). heads: feature
-    drafters beside the SSMs; adaptive: the controller picks each step's depth of `expansion`."""
-    engine = Engine(llm, ssms, mode, expansion, lookup=lookup, heads=list(heads), adaptive=adaptive)
+    drafters beside the SSMs; adaptive: the controller picks each step's depth of `expansion`;
+    dynamic: the drafters' dynamic trees."""
+    engine = Engine(llm, ssms, mode, expansion, lookup=lookup, heads=list(heads), adaptive=adaptive, dynamic=dynamic)
     outs, seconds, forwards = [], [], 0
     reached = [0] * len(expansion)  # deeper where a step accepted more (a lookup chain may outgrow the expansion)
     for i, p in enumerate(prompts):

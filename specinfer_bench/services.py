@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
+from specinfer.eagle import head_layers
 from specinfer.prompts import read_prompt_file
 from specinfer.generate import Request
 from specinfer.sampling import SamplingParams
@@ -36,20 +37,23 @@ from specinfer_rpc.load import run_load
 from .report import command_line, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "mss", "baseline"}
+OPTIONS = {"static", "nolookup", "mss", "baseline", "head"}
 
 
-def manager_flags(config: str, verifier: str, speculators: list[str]) -> list[str]:
+def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
     """'off', or EXPANSION@TREE_BUDGET, each with options @name (@static: without the adaptive
     controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
-    runs from the --baseline source tree)."""
+    runs from the --baseline source tree; @head: the feature speculators `heads` draft too)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     name, *options = config.split("@")
     if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
         raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} ({', '.join(sorted(OPTIONS))})")
     if name != "off":
         expansion, budget, *options = config.split("@")
+        if "head" in options and not heads:
+            raise ValueError(f"--configs {config!r}: @head needs --head")
+        speculators = [*speculators, *heads] if "head" in options else speculators
         flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
                   "--no-adaptive" if "static" in options else "--adaptive",
                   "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
@@ -63,20 +67,29 @@ def manager_stats(log: Path) -> dict:
 
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
             levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int,
-            temperature: float = 0.0, baseline: Path | None = None) -> list[dict]:
+            temperature: float = 0.0, baseline: Path | None = None, heads: list[Path] = ()) -> list[dict]:
     """One row per (config, concurrency). `reference`: greedy outputs (32 tokens) of prompts[:len(reference)]
     that every setting must reproduce before it is timed. The load's requests sample at `temperature`
-    (0: greedy), seeded."""
+    (0: greedy), seeded. `heads`: feature drafters, each in a speculator of its own, drafting for
+    the @head configs (the verifier then keeps their layers' features for every config)."""
     logs = Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
     managers = {}
     try:
-        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", str(llm)], 120)
+        layers = sorted({head_layers(h, llm) for h in heads})
+        if len(layers) > 1:
+            raise ValueError(f"--head: the heads read different layers of the LLM ({layers})")
+        features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
+        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", str(llm), *features], 120)
         specs = [system.start(f"speculator-{i}", "speculator_svc", ["--port", "0", "--ssm", str(d), "--threads", "1"], 120)
                  for i, d in enumerate(ssms)]
+        head_specs = [system.start(f"speculator-head-{i}", "speculator_svc",
+                                   ["--port", "0", "--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1"], 120)
+                      for i, h in enumerate(heads)]
         for config in configs:
-            flags = manager_flags(config, verifier.address, [s.address for s in specs]) + ["--tokenizer", str(llm)]
+            flags = manager_flags(config, verifier.address, [s.address for s in specs],
+                                  [s.address for s in head_specs]) + ["--tokenizer", str(llm)]
             source = baseline if "baseline" in config.split("@")[1:] else None
             if source is None and "baseline" in config.split("@")[1:]:
                 raise ValueError(f"--configs {config!r}: @baseline needs --baseline")
@@ -119,10 +132,12 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy), seeded")
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
                    help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
-                        "@static: without the adaptive controller)")
+                        "@static: without the adaptive controller; @head: with the --head speculators; see manager_flags)")
     p.add_argument("--llm", default=DEFAULT_LLM,
                    help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
     p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")
+    p.add_argument("--head", type=Path, action="append", default=[],
+                   help="feature drafters (EAGLE-3 heads), each a speculator of its own, drafting for the @head configs")
     p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
     p.add_argument("--baseline", type=Path, default=None,
                    help="another source tree (e.g. a checkout of an earlier commit): configs with @baseline run its manager")
@@ -135,7 +150,8 @@ def main() -> None:
     reference = reference_greedy(args.llm, prompts[:8], 32)
     configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
     rows = measure(args.llm, args.ssm or served_ssms(), prompts, reference, configs, levels,
-                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature, args.baseline)
+                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature, args.baseline,
+                   args.head)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))

@@ -33,6 +33,9 @@ class SpeculatorConfig(ModelServerConfig):
                                  "for a service of heads alone)")
     llm: str = option(DEFAULT_LLM, "with --head: the LLM the heads draft for (its config and embedding are read)")
     q_top: int = option(32, "stochastic drafts: q is truncated to its most likely q_top tokens")
+    dynamic_tree: bool = option(False, "EAGLE-2's dynamic trees for requests with top-k drafts: the manager's expansion "
+                                       "read as a budget (its depth and node count), filled with the drafter's most "
+                                       "probable paths")
     port: int = option(50052, "port to listen on (0: any free port)")
 
 
@@ -49,9 +52,9 @@ def build(cfg: SpeculatorConfig) -> list[Speculator]:
     if len({h.head_cfg.layers for h in heads}) > 1:
         raise SystemExit("speculator: every head must read the same layers of the LLM")
     speculators = [Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens, graphs=cfg.graphs(),
-                              progress=True) for i, m in enumerate(models)]
-    speculators += [FeatureSpeculator(h, index=len(models) + i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens)
-                    for i, h in enumerate(heads)]
+                              progress=True, dynamic=cfg.dynamic_tree) for i, m in enumerate(models)]
+    speculators += [FeatureSpeculator(h, index=len(models) + i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens,
+                                      dynamic=cfg.dynamic_tree) for i, h in enumerate(heads)]
     for spec, name in zip(speculators, cfg.ssm + cfg.head):
         print(f"speculator {Path(name).name}: {spec.run.describe()}", flush=True)
     return speculators

@@ -185,12 +185,14 @@ def test_a_head_round_trips_through_the_published_layout(fixture_llm, head, tmp_
         torch.testing.assert_close(a, b, msg=name)
 
 
-@pytest.mark.parametrize("ssms,mode", [(0, Mode.TREE), (1, Mode.TREE), (1, Mode.MERGED)], ids=["head", "ssm+head", "merged"])
-def test_greedy_output_with_a_head_is_the_llms_own(fixture_llm, head, ssms, mode):
+@pytest.mark.parametrize("ssms,mode,dynamic", [(0, Mode.TREE, False), (1, Mode.TREE, False), (1, Mode.MERGED, False),
+                                               (0, Mode.TREE, True), (1, Mode.MERGED, True)],
+                         ids=["head", "ssm+head", "merged", "head-dynamic", "merged-dynamic"])
+def test_greedy_output_with_a_head_is_the_llms_own(fixture_llm, head, ssms, mode, dynamic):
     ssm = [LlamaModel.from_pretrained(MODELS / "ssm-0")][:ssms]
     reqs = [Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)]
     plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate(reqs)
-    spec = Engine(fixture_llm, ssm, mode, [2, 2, 1], heads=[head], lookup=True).generate(reqs)
+    spec = Engine(fixture_llm, ssm, mode, [2, 2, 1], heads=[head], lookup=True, dynamic=dynamic).generate(reqs)
     assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
     assert sum(g.tree_steps for g in spec) > 0
 
