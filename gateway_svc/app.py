@@ -47,6 +47,7 @@ from .protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    choice_seeds,
     validation_error,
 )
 from .text import TextStream
@@ -77,19 +78,20 @@ class Metrics:
 
 @dataclass
 class Tally:
-    """One request's output and usage as it streams."""
+    """One choice's output and usage as it streams."""
 
     prompt_tokens: int
     text: TextStream
     stop_ids: set[int]
+    silent: bool = False  # echo with max_tokens 0: the one token generated is not output
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
     finish: str | None = None  # OpenAI's finish_reason
     usage: generation_pb2.Usage | None = None  # the manager's, on its last message
 
-    def step(self, msg: generation_pb2.GenerateResponse) -> str:
-        """Take one step's message; the text to send for it."""
-        ids = list(msg.token_ids)
+    def step(self, msg: generation_pb2.GenerateResponse) -> tuple[str, int]:
+        """Take one step's message; the text to send for it and how many of its tokens are output."""
+        ids = [] if self.silent else list(msg.token_ids)
         self.tokens += ids
         self.steps += 1
         if msg.finish_reason:
@@ -102,21 +104,40 @@ class Tally:
             self.finish = "stop"
         elif self.finish:
             piece += self.text.finish()
-        return piece
+        return piece, len(ids)
 
-    def usage_json(self) -> dict:
-        """OpenAI's usage, plus the speculation figures. A stream cut by a stop string has no usage
-        from the manager; its figures then come from the steps seen (each step's tokens are its
-        accepted drafts plus one of the LLM's own)."""
-        u = self.usage
-        completion = u.completion_tokens if u is not None else len(self.tokens)
-        spec = {"verifier_steps": u.verifier_steps, "mean_tokens_per_step": u.mean_tokens_per_step,
-                "accepted_draft_tokens": u.accepted_draft_tokens, "tree_steps": u.tree_steps,
-                "no_tree_reason": u.no_tree_reason} if u is not None else {
-                "verifier_steps": self.steps, "mean_tokens_per_step": len(self.tokens) / max(self.steps, 1),
-                "accepted_draft_tokens": len(self.tokens) - self.steps}
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion, "speculation": spec}
+    def completion_tokens(self) -> int:
+        return len(self.tokens) if self.usage is None or self.silent else self.usage.completion_tokens
+
+
+def usage_json(tallies: list[Tally], prompt_tokens: int) -> dict:
+    """OpenAI's usage over all choices (each prompt counted once), plus the speculation figures. A
+    stream cut by a stop string has no usage from the manager; its figures then come from the steps
+    seen (each step's tokens are its accepted drafts plus one of the LLM's own)."""
+    completion = sum(t.completion_tokens() for t in tallies)
+    steps = sum(t.usage.verifier_steps if t.usage is not None else t.steps for t in tallies)
+    accepted = sum(t.usage.accepted_draft_tokens if t.usage is not None else len(t.tokens) - t.steps for t in tallies)
+    spec = {"verifier_steps": steps, "mean_tokens_per_step": sum(
+                t.usage.completion_tokens if t.usage is not None else len(t.tokens) for t in tallies) / max(steps, 1),
+            "accepted_draft_tokens": accepted}
+    if all(t.usage is not None for t in tallies):
+        spec["tree_steps"] = sum(t.usage.tree_steps for t in tallies)
+        spec["no_tree_reason"] = next((t.usage.no_tree_reason for t in tallies if t.usage.no_tree_reason), "")
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, "speculation": spec}
+
+
+@dataclass
+class Choice:
+    """One choice of a request: its gRPC call and what it has output."""
+
+    index: int
+    call: object
+    tally: Tally
+    prompt: list[int]
+    echo: str | None = None  # the prompt's text, sent before the output (completions with echo)
+    first: object = None  # the call's first message
+    offset: int = 0  # characters output so far (completions' text_offset)
 
 
 class Gateway:
@@ -152,17 +173,16 @@ class Gateway:
             self.model_name = (await self.model_info(metadata)).model_name
         return self.model_name
 
-    def prompt_ids(self, body) -> list[int]:
+    def prompt_ids(self, body) -> list[list[int]]:
+        """Each prompt's token ids."""
         if isinstance(body, ChatCompletionRequest):
             if not self.tokenizer.chat_template:
                 raise ApiError.bad("messages", "the model's tokenizer has no chat template "
                                                "(tokenizer_config.json chat_template); use /v1/completions")
             messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
-        if isinstance(body.prompt, str):
-            return self.tokenizer(body.prompt)["input_ids"]
-        return list(body.prompt)
+            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]  # a BatchEncoding in newer transformers
+        return [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in body.prompts()]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -177,31 +197,47 @@ class Gateway:
         if body.model != served:
             raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
                                 f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
-        prompt = self.prompt_ids(body)
+        prompts = self.prompt_ids(body)
         stops, stop_ids = body.stop_strings(), body.stop_token_ids()
-        request = generation_pb2.GenerateRequest(
-            prompt_token_ids=prompt,
-            sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                                               seed=secrets.randbits(64) if body.seed is None else body.seed),
-            stopping=generation_pb2.StoppingCriteria(max_new_tokens=body.max_tokens or 0, stop_token_ids=stop_ids,
-                                                     ignore_eos=body.ignore_eos),
-            speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees)
-        tally = Tally(len(prompt), TextStream(self.decode, stops), set(stop_ids))
+        seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
+        silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
+        texts = body.prompts() if body.echo else [None] * len(prompts)
+        choices = []
+        for p, (prompt, text) in enumerate(zip(prompts, texts)):
+            for j, seed in enumerate(seeds):
+                request = generation_pb2.GenerateRequest(
+                    prompt_token_ids=prompt,
+                    sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k,
+                                                       top_p=body.top_p, seed=seed),
+                    stopping=generation_pb2.StoppingCriteria(max_new_tokens=1 if silent else body.max_tokens or 0,
+                                                             stop_token_ids=stop_ids, ignore_eos=body.ignore_eos),
+                    speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees,
+                    return_logprobs=body.wants_logprobs and not silent, top_logprobs=body.top,
+                    return_prompt_logprobs=body.echo and body.wants_logprobs)
+                echo = (text if isinstance(text, str) else self.decode(prompt)) if body.echo else None
+                choices.append(Choice(p * body.n + j, self.stub.Generate(request, timeout=self.timeout, metadata=metadata),
+                                      Tally(len(prompt), TextStream(self.decode, stops), set(stop_ids), silent),
+                                      prompt, echo))
         start = time.perf_counter()
-        call = self.stub.Generate(request, timeout=self.timeout, metadata=metadata)
         try:
-            first = await call.read()  # errors before the first token are HTTP statuses
+            firsts = await asyncio.gather(*(c.call.read() for c in choices))  # errors before the first token: statuses
         except grpc.aio.AioRpcError as e:
+            for c in choices:
+                c.call.cancel()
             raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+        for c, first in zip(choices, firsts):
+            c.first = first
         self.metrics.ttft.observe(time.perf_counter() - start)
         kind = "chat" if isinstance(body, ChatCompletionRequest) else "text"
-        response = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                             served, kind, body.return_draft_trees, self)
+        reply = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                      served, kind, body.return_draft_trees, body.wants_logprobs, self)
+        prompt_tokens = sum(map(len, prompts))
         self.metrics.in_flight.inc()
         outcome = {"completed": False}
 
-        def close():  # however the response ends: the call is cancelled, so every service frees the request
-            call.cancel()
+        def close():  # however the response ends: the calls are cancelled, so every service frees the requests
+            for c in choices:
+                c.call.cancel()
             self.metrics.in_flight.dec()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
             if not outcome["completed"]:
@@ -209,39 +245,63 @@ class Gateway:
 
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return CallStream(self._events(call, first, tally, response, include_usage, outcome), close)
+            return CallStream(self._events(choices, reply, include_usage, prompt_tokens, outcome), close)
         try:
-            return await self._whole(http, call, first, tally, response, outcome)
+            return await self._whole(http, choices, reply, prompt_tokens, outcome)
         finally:
             close()
 
-    async def _messages(self, call, first, tally: Tally):
-        """(message, text piece) per step until the end or a stop string."""
-        msg = first
+    async def _messages(self, choice: Choice):
+        """(message, text piece, tokens output) per step until the end or a stop string."""
+        msg = choice.first
         while msg is not grpc.aio.EOF:
-            piece = tally.step(msg)
-            self.metrics.tokens.inc(len(msg.token_ids))
-            yield msg, piece
-            if tally.text.stopped:
+            piece, kept = choice.tally.step(msg)
+            self.metrics.tokens.inc(kept)
+            yield msg, piece, kept
+            if choice.tally.text.stopped:
                 return
-            msg = await call.read()
+            msg = await choice.call.read()
 
-    async def _events(self, call, first, tally, response: Reply, include_usage: bool, outcome: dict):
+    async def _events(self, choices: list[Choice], reply: Reply, include_usage: bool, prompt_tokens: int,
+                      outcome: dict):
+        """Each choice's steps as chunks, as they come (choices interleaved)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice):
+            try:
+                async for msg, piece, kept in self._messages(c):
+                    await queue.put(reply.chunk(c, piece, msg, kept))
+            except grpc.aio.AioRpcError as e:
+                await queue.put(ApiError.from_grpc(e.code().name, e.details() or "").body())
+            finally:
+                await queue.put(None)
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            async for msg, piece in self._messages(call, first, tally):
-                yield sse(response.chunk(piece, tally.finish, msg))
+            ended = 0
+            while ended < len(pumps):
+                item = await queue.get()
+                if item is None:
+                    ended += 1
+                else:
+                    yield sse(item)
             if include_usage:
-                yield sse(response.usage_chunk(tally.usage_json()))
-        except grpc.aio.AioRpcError as e:
-            yield sse(ApiError.from_grpc(e.code().name, e.details() or "").body())
+                yield sse(reply.usage_chunk(usage_json([c.tally for c in choices], prompt_tokens)))
+        finally:
+            for p in pumps:
+                p.cancel()
         outcome["completed"] = True
         yield "data: [DONE]\n\n"
 
-    async def _whole(self, http: Request, call, first, tally, response: Reply, outcome: dict):
-        async def collect():
-            return "".join([piece async for _, piece in self._messages(call, first, tally)])
+    async def _whole(self, http: Request, choices: list[Choice], reply: Reply, prompt_tokens: int, outcome: dict):
+        async def collect(c: Choice):
+            text, entries = c.echo or "", reply.echo_logprobs(c)
+            async for msg, piece, kept in self._messages(c):
+                text += piece
+                entries += list(msg.logprobs)[:kept]
+            return text, entries
 
-        work = asyncio.ensure_future(collect())
+        work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
         gone = asyncio.ensure_future(wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -252,10 +312,10 @@ class Gateway:
             return Response(status_code=499)
         outcome["completed"] = True
         try:
-            text = work.result()
+            outputs = work.result()
         except grpc.aio.AioRpcError as e:
             raise ApiError.from_grpc(e.code().name, e.details() or "") from None
-        return JSONResponse(response.whole(text, tally.finish, tally.usage_json()))
+        return JSONResponse(reply.whole(choices, outputs, usage_json([c.tally for c in choices], prompt_tokens)))
 
 
 class CallStream(StreamingResponse):
@@ -289,6 +349,12 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def entry(e) -> tuple[int, float, list[tuple[int, float]]]:
+    """A protobuf TokenLogprob as (token, logprob, top); -inf as OpenAI writes it (JSON has no infinity)."""
+    finite = lambda x: max(x, -9999.0)  # noqa: E731
+    return e.token_id, finite(e.logprob), [(t, finite(v)) for t, v in zip(e.top_token_ids, e.top_logprobs)]
+
+
 @dataclass
 class Reply:
     """The shapes of one request's response objects: completions ("text") or chat."""
@@ -298,20 +364,49 @@ class Reply:
     model: str
     kind: str
     trees: bool
+    logprobs: bool  # the choices carry logprobs
     gateway: Gateway
-    role_sent: bool = False
+    role_sent: set[int] = field(default_factory=set)  # chat: the choices whose role was sent
 
     def _object(self, suffix: str = "") -> dict:
         obj = "text_completion" if self.kind == "text" else "chat.completion" + suffix
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, piece: str, finish: str | None, msg: generation_pb2.GenerateResponse) -> dict:
+    def echo_logprobs(self, c: Choice) -> list:
+        """The echoed prompt's entries: its first token has no logprob (nothing precedes it)."""
+        if c.echo is None or not self.logprobs:
+            return []
+        return [(c.prompt[0], None, None)] + [entry(e) for e in c.first.prompt_logprobs]
+
+    def logprobs_json(self, c: Choice, entries: list) -> dict | None:
+        """OpenAI's logprobs object of these entries (token, logprob or None, top or None)."""
+        if not self.logprobs:
+            return None
+        text = self.gateway.token_texts
+        if self.kind == "chat":
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
+                {"token": a, "logprob": v, "bytes": list(a.encode())} for a, (_, v) in zip(text([i for i, _ in top]), top)]}
+                for t, (_, lp, top) in zip(text([e[0] for e in entries]), entries)]}
+        tokens, offsets = text([e[0] for e in entries]), []
+        for t in tokens:
+            offsets.append(c.offset)
+            c.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [None if top is None else dict(zip(text([i for i, _ in top]), (v for _, v in top)))
+                                 for _, _, top in entries],
+                "text_offset": offsets}
+
+    def chunk(self, c: Choice, piece: str, msg: generation_pb2.GenerateResponse, kept: int) -> dict:
+        entries = [entry(e) for e in msg.logprobs[:kept]]
+        if c.echo is not None:  # the first chunk: the prompt first
+            piece, entries, c.echo = c.echo + piece, self.echo_logprobs(c) + entries, None
         if self.kind == "text":
-            choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+            choice = {"index": c.index, "text": piece, "finish_reason": c.tally.finish}
         else:
-            delta = {"content": piece} if self.role_sent else {"role": "assistant", "content": piece}
-            self.role_sent = True
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            delta = {"content": piece} if c.index in self.role_sent else {"role": "assistant", "content": piece}
+            self.role_sent.add(c.index)
+            choice = {"index": c.index, "delta": delta, "finish_reason": c.tally.finish}
+        choice["logprobs"] = self.logprobs_json(c, entries)
         choice["token_ids"] = list(msg.token_ids)
         if self.trees:
             t = msg.draft_tree
@@ -324,13 +419,16 @@ class Reply:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._object(".chunk"), "choices": [], "usage": usage}
 
-    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
-        if self.kind == "text":
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
-        return {**self._object(), "choices": [choice], "usage": usage}
+    def whole(self, choices: list[Choice], outputs: list[tuple[str, list]], usage: dict) -> dict:
+        out = []
+        for c, (text, entries) in zip(choices, outputs):
+            logprobs = self.logprobs_json(c, [e if isinstance(e, tuple) else entry(e) for e in entries])
+            if self.kind == "text":
+                out.append({"index": c.index, "text": text, "finish_reason": c.tally.finish, "logprobs": logprobs})
+            else:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "finish_reason": c.tally.finish, "logprobs": logprobs})
+        return {**self._object(), "choices": out, "usage": usage}
 
 
 def create_app(gateway: Gateway) -> FastAPI:

@@ -1,19 +1,34 @@
 """The OpenAI request bodies the gateway accepts, and its errors in OpenAI's JSON shape.
 
-Parameters the system cannot honour are refused with 400 naming them, never silently ignored: `n`
-above 1, `logprobs`, `best_of`, `echo`, `suffix`, penalties, `logit_bias`, tools. They are accepted
-at their neutral values (`n: 1`, `presence_penalty: 0`, ...), which some clients always send.
+Supported beyond text: `logprobs` (completions: the top up to 20; chat: `logprobs` and
+`top_logprobs` up to 20), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
+token-id lists and several prompts in one request (completions), and `n` choices per prompt (choice
+j samples with a seed derived from the request's, `choice_seeds`).
+Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
+`best_of`, `suffix`, penalties, `logit_bias`, tools, `response_format`. They are accepted at their
+neutral values (`best_of: 1`, `presence_penalty: 0`, ...), which some clients always send.
 Extensions: `top_k`, `ignore_eos`, `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1];
 unset: the server's default) and `return_draft_trees` (each streamed step carries its draft tree).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
+
+MAX_N = 16  # choices per prompt at most
+MAX_PROMPTS = 64  # prompts in one completions request at most
+GOLDEN = 0x9E3779B97F4A7C15  # choice j's seed: the request's plus j times this, modulo 2**64
+
+
+def choice_seeds(seed: int, n: int) -> list[int]:
+    """The seed of each of n choices: choice 0 is the request's own seed, so n = 1 changes nothing,
+    and choice j is exactly a request of its own with seed j (the seed contract holds per choice)."""
+    return [(seed + j * GOLDEN) % (1 << 64) for j in range(n)]
 
 # gRPC status name -> (HTTP status, OpenAI error type)
 STATUS = {
@@ -87,15 +102,13 @@ class _Generation(BaseModel):
     ignore_eos: bool = False
     speculation: str | list[int] | None = None
     return_draft_trees: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)
     # refused unless neutral
-    n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError.bad("n", f"only n = 1 is supported (one choice per request), got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ApiError.bad(name, "not supported (outputs are exactly the model's distribution)")
@@ -132,29 +145,43 @@ class _Generation(BaseModel):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 only with echo
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.best_of not in (None, 1):
-            raise ApiError.bad("best_of", f"not supported (one choice per request), got {self.best_of}")
-        if self.logprobs is not None:
-            raise ApiError.bad("logprobs", "not supported")
-        if self.echo:
-            raise ApiError.bad("echo", "not supported")
+            raise ApiError.bad("best_of", f"not supported (use n), got {self.best_of}")
         if self.suffix is not None:
             raise ApiError.bad("suffix", "not supported (no fill-in-the-middle)")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ApiError.bad("prompt", f"one prompt per request, got {len(self.prompt)}")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError.bad("max_tokens", "0 only with echo (the prompt's logprobs, nothing generated)")
+        prompts = self.prompts()
+        if not prompts or any(not p for p in prompts):
             raise ApiError.bad("prompt", "must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError.bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        if self.stream and self.echo and len(prompts) * self.n > 1:
+            raise ApiError.bad("echo", "with stream: true, only for one prompt and n = 1")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: texts, or token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    @property
+    def top(self) -> int:
+        return self.logprobs or 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class ChatMessage(BaseModel):
@@ -178,15 +205,15 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            raise ApiError.bad("logprobs", "not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError.bad("top_logprobs", "only with logprobs: true")
         for name in ("tools", "tool_choice", "response_format"):
             if getattr(self, name) is not None:
                 raise ApiError.bad(name, "not supported")
@@ -194,6 +221,16 @@ class ChatCompletionRequest(_Generation):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ApiError.bad("max_completion_tokens", "differs from max_tokens; give one")
             self.max_tokens = self.max_completion_tokens
+
+    @property
+    def top(self) -> int:
+        return self.top_logprobs or 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    echo: ClassVar[bool] = False  # completions only
 
 
 def validation_error(errors: list[dict]) -> ApiError:

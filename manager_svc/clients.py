@@ -17,7 +17,7 @@ import uuid
 
 import grpc
 
-from specinfer.engine import Check, Draft
+from specinfer.engine import Check, Draft, Verified
 from specinfer.errors import VerifierLost, VerifierUnavailable
 from specinfer.tree import TokenTree
 from specinfer_rpc.convert import sampling_to_pb, tree_from_pb, tree_to_pb
@@ -54,14 +54,16 @@ class VerifierClient:
         """The verifier's model info, waiting up to `wait` seconds for it to come up."""
         return await self.stub.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=wait, wait_for_ready=True)
 
-    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[list[int]], int, dict]:
-        """Accepted tokens per request, the verifier's step time in ns, and the features returned (as
-        protobuf FeatureRows: the manager hands them on to the feature speculators as they came)."""
+    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[Verified], int]:
+        """Each request's answer and the verifier's step time in ns; features and logprobs stay
+        protobuf (FeatureRows, TokenLogprob): the manager hands them on as they came."""
         request = verifier_pb2.VerifyRequest(
             release=[self.namespace + rid for rid in release],
             items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
-                                           sampling=sampling_to_pb(c.sampling), return_features=c.features)
+                                           sampling=sampling_to_pb(c.sampling), return_features=c.features,
+                                           return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
+                                           return_prompt_logprobs=c.prompt_logprobs)
                    for c in batch])
         if self.steps is None or self.steps.done():
             await self._connected()
@@ -84,8 +86,10 @@ class VerifierClient:
         except (asyncio.InvalidStateError, ConnectionError) as e:  # the stream ended before or without an answer
             self._drop(steps)
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
-        return ([list(r.token_ids) for r in response.results], response.step_ns,
-                {c.request_id: r.features for c, r in zip(batch, response.results) if r.HasField("features")})
+        return ([Verified(list(r.token_ids), r.features if r.HasField("features") else None,
+                          r.logprobs if c.logprobs else None,
+                          r.prompt_logprobs if c.prompt_logprobs else None) for c, r in zip(batch, response.results)],
+                response.step_ns)
 
     def _drop(self, steps) -> None:
         steps.cancel()

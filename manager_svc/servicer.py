@@ -30,7 +30,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stopping = pb.stopping
         request = Request(list(pb.prompt_token_ids), stopping.max_new_tokens or self.info.default_max_new_tokens,
                           sampling_from_pb(pb.sampling), tuple(stopping.stop_token_ids), stopping.ignore_eos,
-                          pb.request_id)
+                          pb.request_id, pb.return_logprobs, pb.return_prompt_logprobs, pb.top_logprobs)
         validate(request, self.info.vocab_size, self.info.context_length, self.info.max_new_tokens_cap)
         mode = pb.speculation.mode
         if mode == generation_pb2.SPECULATION_MODE_OFF:
@@ -62,7 +62,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @staticmethod
     def chunk_to_pb(seq: Stream, chunk: Chunk) -> generation_pb2.GenerateResponse:
-        response = generation_pb2.GenerateResponse(token_ids=chunk.tokens)
+        response = generation_pb2.GenerateResponse(token_ids=chunk.tokens, logprobs=chunk.logprobs,
+                                                   prompt_logprobs=chunk.prompt_logprobs)
         if seq.want_trees and chunk.tree is not None:
             response.draft_tree.CopyFrom(generation_pb2.DraftTreeStep(
                 token_ids=chunk.tree.tokens, parents=chunk.tree.parents, speculators=chunk.proposers,

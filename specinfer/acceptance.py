@@ -61,6 +61,8 @@ class Verdict:
     path: list[int]  # accepted node indices, the root's child first
     tokens: list[int]  # the accepted nodes' tokens followed by the bonus token
     features: "Features | None" = None  # the committed rows' features, for a request that asked (verifier.py)
+    logprobs: list | None = None  # of each token (logprobs.TokenLogprob), for a request that asked
+    prompt_logprobs: list | None = None  # of the step's new committed tokens but the first, for a request that asked
 
 
 def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[int],

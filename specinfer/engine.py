@@ -51,6 +51,9 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     id: str = ""
+    logprobs: bool = False  # each generated token's logprob (logprobs.py)
+    prompt_logprobs: bool = False  # the prompt's tokens' (all but the first), with the first chunk
+    top_logprobs: int = 0  # with each of them, the most likely tokens there
 
 
 @dataclass
@@ -75,6 +78,21 @@ class Check:
     tree: TokenTree
     sampling: SamplingParams
     features: bool = False  # return the features of the rows the step commits (a feature drafter drafts for it)
+    logprobs: bool = False  # return the tokens' logprobs
+    prompt_logprobs: bool = False  # return those of new_tokens[1:]
+    top_logprobs: int = 0  # with this many alternatives each
+
+
+@dataclass
+class Verified:
+    """The verifier's answer for one request's step."""
+
+    tokens: list[int]  # the accepted path's tokens and the bonus token
+    # as the backend has them: in process `verifier.Features` and `logprobs.TokenLogprob`, through the
+    # manager the verifier's protobuf, handed on untouched
+    features: object | None = None  # the committed rows' features (Check.features)
+    logprobs: list | None = None  # of each token (Check.logprobs)
+    prompt_logprobs: list | None = None  # of new_tokens[1:] (Check.prompt_logprobs)
 
 
 class Drafter(Protocol):
@@ -97,10 +115,9 @@ class Drafter(Protocol):
 
 
 class VerifierBackend(Protocol):
-    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[list[int]], int, dict[str, object]]:
-        """Each request's emitted tokens (accepted path + bonus), the step's own time in ns, and by
-        request id the features of the committed rows of the checks that asked for them, after
-        forgetting the `release` requests. Raises VerifierUnavailable or VerifierLost."""
+    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[Verified], int]:
+        """Each request's answer and the step's own time in ns, after forgetting the `release`
+        requests. Raises VerifierUnavailable or VerifierLost."""
 
     async def release(self, request_ids: list[str]) -> None: ...
 
@@ -117,6 +134,8 @@ class Chunk:
     # context lookup the bit after them) and the nodes the verifier accepted
     proposers: list[int] = field(default_factory=list)
     accepted_nodes: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # of each token, for a request that asked (logprobs.TokenLogprob)
+    prompt_logprobs: list | None = None  # the prompt's (all but its first token), with the first chunk
 
 
 @dataclass(eq=False)
@@ -218,7 +237,7 @@ class SpeculativeEngine:
 
     @property
     def wants_features(self) -> bool:
-        """A feature drafter drafts: the verifier returns features for every request that speculates
+        """A feature drafter drafts: the verifier returns features for the requests it drafts for
         (asked each iteration: a speculator service says what it is when it connects)."""
         return any(d.wants_features for d in self.drafters)
 
@@ -264,18 +283,23 @@ class SpeculativeEngine:
         batch = [s for s in batch if not s.done]
         if not batch:
             return []
+        # features for the prompt and for the steps whose drafters drafted for the request: a feature
+        # drafter feeds zeros for the rows of the steps between (it drafts worse there, never
+        # wrongly), and a load at which the controller decodes plainly pays for none of them
         features = self.wants_features
-        checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()),
-                        s.request.sampling, features and s.expansion != []) for s in batch]
+        checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()), s.request.sampling,
+                        features and s.expansion != [] and (s.id in asked or not s.verifier_has), s.request.logprobs,
+                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs) for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
-            results, step_ns, returned = await self.verifier.verify(checks, release)
+            verified, step_ns = await self.verifier.verify(checks, release)
         except VerifierLost as e:
             return self._resync(batch, e)
         except VerifierUnavailable as e:
             self.verifier_release.update(release)
             return [(s, e) for s in batch]
+        results = [v.tokens for v in verified]
         # the slowest drafter's own time this iteration (0: none was asked)
         draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0
         if self.controller is not None and steady:
@@ -289,16 +313,17 @@ class SpeculativeEngine:
                 asked=[s.id in asked for s, _ in on_server],
                 chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
         out = []
-        for s, tokens in zip(batch, results):
-            if s.id in returned:
-                s.features.append(returned[s.id])
+        for s, v in zip(batch, verified):
+            if v.features is not None:
+                s.features.append(v.features)
             if s.done:  # cancelled while the step ran
                 continue
-            out.append((s, self._commit(s, tokens, trees.get(s.id), sources.get(s.id, {}))))
+            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}))))
         self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9)
         return out
 
-    def _commit(self, s: Sequence, tokens: list[int], tree: TokenTree | None, sources: dict[int, TokenTree]) -> Chunk:
+    def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree]) -> Chunk:
+        tokens = v.tokens
         s.verifier_has = s.length + len(tokens)
         s.steps += 1
         s.tree_steps += tree is not None
@@ -307,7 +332,9 @@ class SpeculativeEngine:
         emitted = s.generated[before:]
         accepted = len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
         s.accepted.append(accepted)
-        chunk = Chunk(emitted, s.finish_reason, accepted, tree)
+        chunk = Chunk(emitted, s.finish_reason, accepted, tree,
+                      logprobs=v.logprobs[: len(emitted)] if s.request.logprobs else None,
+                      prompt_logprobs=v.prompt_logprobs)
         if s.want_trees and tree is not None:
             chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
         return chunk

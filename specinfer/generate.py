@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from .controller import SpeculationController
 from .eagle import EagleHead
-from .engine import Draft, Request, Sequence, SpeculativeEngine
+from .engine import Draft, Request, Sequence, SpeculativeEngine, Verified
 from .feature_drafter import FeatureSpeculator
 from .graphs import GraphConfig
+from .logprobs import MAX_TOP
 from .lookup import CHAIN_TOKENS
 from .model import LlamaModel, check_token_ids
 from .speculator import DraftRequest, Speculator
@@ -51,6 +52,8 @@ class Generation:
     accepted: list[int] = field(default_factory=list)  # accepted draft tokens at each step
     tree_steps: int = 0  # steps that verified a draft tree
     no_tree_reason: str = ""  # why most of the other steps had none
+    logprobs: list | None = None  # of each token, if asked (logprobs.TokenLogprob)
+    prompt_logprobs: list | None = None  # of the prompt's tokens but the first, if asked
 
     @property
     def tokens_per_step(self) -> float:
@@ -70,6 +73,10 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
     if len(req.prompt) + req.max_new_tokens > context:
         raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
                          f"({req.max_new_tokens}) exceeds the context length {context}")
+    if not 0 <= req.top_logprobs <= MAX_TOP:
+        raise ValueError(f"top_logprobs: from 0 to {MAX_TOP}, got {req.top_logprobs}")
+    if req.top_logprobs and not (req.logprobs or req.prompt_logprobs):
+        raise ValueError("top_logprobs: only with logprobs or prompt logprobs asked for")
     req.sampling.validate()
 
 
@@ -112,13 +119,13 @@ class LocalVerifier:
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
 
-    async def verify(self, checks, release: list[str]) -> tuple[list[list[int]], int, dict]:
+    async def verify(self, checks, release: list[str]) -> tuple[list[Verified], int]:
         await self.release(release)
         start = time.perf_counter_ns()
-        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features)
-                                       for c in checks])
-        return ([v.tokens for v in verdicts], time.perf_counter_ns() - start,
-                {c.request_id: v.features for c, v in zip(checks, verdicts) if v.features is not None})
+        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features,
+                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs) for c in checks])
+        return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs) for v in verdicts],
+                time.perf_counter_ns() - start)
 
     async def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -167,23 +174,32 @@ class Engine:
             raise ValueError("id: request ids must be unique")
         seqs = [Sequence(replace(r, id=i), self.own_expansion) for r, i in zip(requests, ids)]
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
+        logprobs: dict = {}
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # the usual case: no event loop in this thread
-            asyncio.run(self._run(seqs, bar))
+            asyncio.run(self._run(seqs, bar, logprobs))
         else:  # called from a coroutine: the engine's loop runs in a thread of its own
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pool.submit(asyncio.run, self._run(seqs, bar)).result()
+                pool.submit(asyncio.run, self._run(seqs, bar, logprobs)).result()
         bar.close()
         return [Generation(s.id, s.generated, s.finish_reason, s.steps, s.accepted, s.tree_steps,
-                           s.no_tree.most_common(1)[0][0] if s.no_tree else "") for s in seqs]
+                           s.no_tree.most_common(1)[0][0] if s.no_tree else "", *logprobs.get(s.id, (None, None)))
+                for s in seqs]
 
-    async def _run(self, seqs: list[Sequence], bar) -> None:
+    async def _run(self, seqs: list[Sequence], bar, logprobs: dict) -> None:
+        """Step until every sequence is done; `logprobs` gets the (logprobs, prompt logprobs) asked for."""
         live = list(seqs)
         while live:
             for s, event in await self.engine.iteration(live):
                 if isinstance(event, Exception):
                     raise event
+                if s.request.logprobs or s.request.prompt_logprobs:
+                    mine = logprobs.setdefault(s.id, ([] if s.request.logprobs else None, None))
+                    if event.logprobs is not None:
+                        mine[0].extend(event.logprobs)
+                    if event.prompt_logprobs is not None:
+                        logprobs[s.id] = (mine[0], event.prompt_logprobs)
                 bar.update(len(event.tokens))
                 if event.finish_reason:
                     s.done = True

@@ -124,12 +124,13 @@ class StepInput:
     new_tokens: list[int]  # committed tokens not yet in the cache
     tree_tokens: list[int]  # draft nodes to add to the cache's scratch tree
     tree_parents: list[int]  # their parents, indexing the whole scratch tree (-1: the root)
+    every_row: bool = False  # logits of every new committed token, not only the last (a prompt's logprobs)
 
     @property  # not cached: functools.cached_property takes a lock, dearer than the sum
     def n_rows(self) -> int:
-        """Rows of this item in the forward's logits: the last new committed token's (if any), then
-        one per new tree node."""
-        return (1 if self.new_tokens else 0) + len(self.tree_tokens)
+        """Rows of this item in the forward's logits: the last new committed token's (if any; with
+        every_row, every new committed token's), then one per new tree node."""
+        return (len(self.new_tokens) if self.every_row else 1 if self.new_tokens else 0) + len(self.tree_tokens)
 
 
 def row_starts(items: list[StepInput]) -> list[int]:
@@ -247,6 +248,7 @@ class Layout:
     scalars: np.ndarray  # [B, 7] what attention needs to know per item (`SCALARS`)
     trees: list[list[int]]  # per item, its cache's scratch tree (parents)
     n_rows: int  # rows that reach the LM head: per item its last new committed token's (if any) and its tree nodes'
+    every: np.ndarray | None = None  # [B] bool: the items whose every new committed token reaches it (None: none)
 
     @classmethod
     def empty(cls, pool: KVPool) -> "Layout":
@@ -277,7 +279,8 @@ class Layout:
             wanted = np.arange(n)
         else:
             n_com, tree_start = self.scalars[:, 3], self.scalars[:, 4]
-            wanted = np.flatnonzero(q.slot >= (tree_start - (n_com > 0))[q.owner])
+            back = n_com > 0 if self.every is None else np.where(self.every, n_com, n_com > 0)
+            wanted = np.flatnonzero(q.slot >= (tree_start - back)[q.owner])
         if capacity is not None:  # padding (before the step's rows: see `TreeBatch._pad`): token 0 at position 0, LM-head row 0
             padded = staging.claim("tokens", n)
             if padded > n:
@@ -440,7 +443,8 @@ class LlamaModel(nn.Module):
             trees.append(cache.tree.parents)
             n_rows += it.n_rows
         scalars = np.fromiter(values, dtype=np.int64, count=len(values)).reshape(-1, len(SCALARS))
-        return Layout(pool, tokens, scalars, trees, n_rows)
+        every = np.fromiter((it.every_row for it in items), dtype=bool, count=len(items))
+        return Layout(pool, tokens, scalars, trees, n_rows, every if every.any() else None)
 
     @torch.no_grad()
     def run(self, step: Step) -> torch.Tensor:

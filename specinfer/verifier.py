@@ -25,6 +25,7 @@ from .model import LlamaModel, StepInput, check_token_ids, row_starts
 from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
 from .acceptance import Verdict, verify_batch
+from .logprobs import MAX_TOP, token_logprobs
 
 
 FEATURE_BYTES = 8 << 20  # features a step returns at most: half the services' 16 MiB messages
@@ -37,6 +38,9 @@ class VerifyRequest:
     tree: TokenTree = field(default_factory=TokenTree)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     features: bool = False  # return the features of the rows this step commits (for a feature drafter)
+    logprobs: bool = False  # return each token's logprob (logprobs.py)
+    prompt_logprobs: bool = False  # return those of new_tokens[1:] (a prompt's, at its prefill)
+    top_logprobs: int = 0  # with each of them, the most likely tokens there
 
 
 @dataclass
@@ -51,8 +55,6 @@ class Features:
 def check_feature_layers(layers, n_layers: int) -> None:
     if not all(0 <= i < n_layers for i in layers):
         raise ValueError(f"feature_layers: {list(layers)} are not all layers of the LLM (0..{n_layers - 1})")
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"feature_layers: {list(layers)} names a layer twice")
 
 
 class Verifier:
@@ -92,6 +94,8 @@ class Verifier:
         vocab = self.model.cfg.vocab_size
         for req in batch:
             check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, vocab)
+            if not 0 <= req.top_logprobs <= MAX_TOP:
+                raise ValueError(f"top_logprobs (request {req.request_id}): from 0 to {MAX_TOP}, got {req.top_logprobs}")
             check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, vocab)
             for g in req.tree.groups:
                 check_token_ids(f"tree (request {req.request_id}): q_token_ids", g.q_ids, vocab)
@@ -111,7 +115,7 @@ class Verifier:
             cache.tokens.extend(req.new_tokens)
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
-            items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents))
+            items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))
         firsts = [it.cache.length for it in items]  # the record position of each item's first row
         verdicts = self.decide(batch, self.forward(items), row_starts(items))
         if want_features:
@@ -156,6 +160,27 @@ class Verifier:
         return self.run(items)
 
     def decide(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int]) -> list[Verdict]:
-        """Each request's accepted path and tokens, from its rows of the logits (starting at starts)."""
-        return verify_batch([r.tree for r in batch], logits, starts, [r.sampling for r in batch],
-                            [len(self.caches[r.request_id].tokens) for r in batch])
+        """Each request's accepted path and tokens, from its rows of the logits (starting at starts),
+        and the logprobs asked for."""
+        roots = [s + (len(r.new_tokens) - 1 if r.prompt_logprobs and r.new_tokens else 0) for r, s in zip(batch, starts)]
+        verdicts = verify_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
+                                [len(self.caches[r.request_id].tokens) for r in batch])
+        rows, tokens, tops, spans = [], [], [], []
+        for r, start, root, v in zip(batch, starts, roots, verdicts):
+            if r.prompt_logprobs:
+                rows += range(start, root)
+                tokens += r.new_tokens[1:]
+            if r.logprobs:
+                rows += [root] + [root + 1 + u for u in v.path]
+                tokens += v.tokens
+            spans.append(len(rows))
+            tops += [r.top_logprobs] * (len(rows) - len(tops))
+        if rows:
+            entries = token_logprobs(logits, rows, tokens, tops)
+            at = 0
+            for r, root, start, v, end in zip(batch, roots, starts, verdicts, spans):
+                if r.prompt_logprobs:
+                    v.prompt_logprobs, at = entries[at: at + root - start], at + root - start
+                if r.logprobs:
+                    v.logprobs, at = entries[at: end], end
+        return verdicts

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from specinfer.controller import SpeculationController
-from specinfer.engine import Check, Request, Sequence, SpeculativeEngine
+from specinfer.engine import Check, Request, Sequence, SpeculativeEngine, Verified
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 from specinfer_rpc.convert import sampling_to_pb, tree_to_pb
@@ -30,7 +30,7 @@ TREE = TokenTree([5, 6, 7, 8], [-1, -1, 0, 2])
 
 class InstantVerifier:
     async def verify(self, checks, release):
-        return [[7, 8] for _ in checks], 1_000_000, {}
+        return [Verified([7, 8]) for _ in checks], 1_000_000
 
     async def release(self, request_ids):
         pass

@@ -37,14 +37,16 @@ from specinfer_rpc.load import run_load
 from .report import command_line, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "mss", "baseline", "head"}
+OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs"}
+LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
     """'off', or EXPANSION@TREE_BUDGET, each with options @name (@static: without the adaptive
     controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
-    runs from the --baseline source tree; @head: the feature speculators `heads` draft too)."""
+    runs from the --baseline source tree; @head: the feature speculators `heads` draft too; @logprobs:
+    the load's requests ask for logprobs, a request option the manager's flags do not see)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     name, *options = config.split("@")
     if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
@@ -106,7 +108,8 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
                 at = r * c * requests_per_stream % len(prompts)  # this round's prompts: the next ones
                 report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
                                               max_new_tokens=max_new_tokens,
-                                              max_requests=c * requests_per_stream, sampling=sampling))
+                                              max_requests=c * requests_per_stream, sampling=sampling,
+                                              top_logprobs=LOGPROBS_TOP if "logprobs" in config.split("@")[1:] else None))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
                 runs.setdefault((config, c), []).append(report.summary())

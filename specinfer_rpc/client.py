@@ -81,7 +81,8 @@ def request_pb(req: Request, speculation: str | None = None) -> generation_pb2.G
         request_id=req.id, prompt_token_ids=req.prompt, sampling=sampling_to_pb(req.sampling),
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=req.max_new_tokens,
                                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
-        speculation=speculation_pb(speculation))
+        speculation=speculation_pb(speculation), return_logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+        return_prompt_logprobs=req.prompt_logprobs)
 
 
 @dataclass
@@ -93,6 +94,8 @@ class Streamed:
     usage: generation_pb2.Usage | None = None
     chunk_times: list[float] = field(default_factory=list)  # seconds since the call, per chunk
     chunk_sizes: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # protobuf TokenLogprob, with return_logprobs
+    prompt_logprobs: list = field(default_factory=list)  # with return_prompt_logprobs
 
 
 async def generate(stub, request: generation_pb2.GenerateRequest, timeout: float | None = None) -> Streamed:
@@ -102,6 +105,8 @@ async def generate(stub, request: generation_pb2.GenerateRequest, timeout: float
         out.chunk_times.append(time.perf_counter() - start)
         out.chunk_sizes.append(len(chunk.token_ids))
         out.token_ids.extend(chunk.token_ids)
+        out.logprobs.extend(chunk.logprobs)
+        out.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason:
             out.finish_reason = FINISH_NAMES[chunk.finish_reason]
             out.usage = chunk.usage

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specinfer.logprobs import TokenLogprob
 from specinfer.sampling import SamplingParams
 from specinfer.tree import DraftGroup, TokenTree, check_groups
 from specinfer.verifier import Features
@@ -65,3 +66,12 @@ def features_from_pb(pb: common_pb2.FeatureRows, field: str) -> Features:
     if not torch.isfinite(rows).all():
         raise ValueError(f"{field}: a value is not finite")
     return Features(pb.start, rows)
+
+
+def logprobs_to_pb(entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=e.token_id, logprob=e.logprob, top_token_ids=[t for t, _ in e.top],
+                                    top_logprobs=[lp for _, lp in e.top]) for e in entries]
+
+
+def logprobs_from_pb(entries) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, list(zip(e.top_token_ids, e.top_logprobs))) for e in entries]

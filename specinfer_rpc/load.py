@@ -47,9 +47,10 @@ class LoadReport:
 async def run_load(address: str, prompts: list[list[int]], concurrency: int, duration: float,
                    max_new_tokens: int = 64, speculation: str | None = None, max_requests: int | None = None,
                    sampling: SamplingParams = SamplingParams(),
-                   credentials: grpc.ChannelCredentials | None = None) -> LoadReport:
+                   credentials: grpc.ChannelCredentials | None = None, top_logprobs: int | None = None) -> LoadReport:
     """Workers take prompts round-robin; stop starting requests after `duration` s (or
-    `max_requests` in all) and wait for the running ones to finish."""
+    `max_requests` in all) and wait for the running ones to finish. top_logprobs: every request
+    asks for its tokens' logprobs with that many alternatives (None: none)."""
     stub = connect(address, credentials)
     report = LoadReport(concurrency, 0.0)
     start = time.perf_counter()
@@ -60,7 +61,8 @@ async def run_load(address: str, prompts: list[list[int]], concurrency: int, dur
             n = next(counter)
             if max_requests is not None and n >= max_requests:
                 return
-            req = Request(prompts[n % len(prompts)], max_new_tokens, sampling, ignore_eos=True)
+            req = Request(prompts[n % len(prompts)], max_new_tokens, sampling, ignore_eos=True,
+                          logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
             try:
                 s = await generate(stub, request_pb(req, speculation))
             except grpc.aio.AioRpcError as e:

@@ -177,7 +177,8 @@ def test_chat_uses_the_checkpoints_template_and_a_model_without_one_gets_400(gw,
 
 @pytest.mark.parametrize("params, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 100000}, "max_tokens"),
-    ({"n": 2}, "n"), ({"logprobs": 2}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    ({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "stream": True, "n": 2}, "echo"), ({"suffix": "x"}, "suffix"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"extra_body": {"speculation": "9,9"}}, "speculation"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
     ({"prompt": ""}, "prompt")])

@@ -11,7 +11,7 @@ import asyncio
 
 from manager_svc.scheduler import Scheduler, SlowReader
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
-from specinfer.engine import Request, SpeculativeEngine
+from specinfer.engine import Request, SpeculativeEngine, Verified
 from specinfer.tree import TokenTree
 
 PERIOD = 5
@@ -45,8 +45,8 @@ class Verifier:
                 if node is None:
                     break
             self.records[c.request_id] = record + out
-            results.append(out)
-        return results, 1_000_000, {}
+            results.append(Verified(out))
+        return results, 1_000_000
 
 
 class Speculator:

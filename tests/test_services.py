@@ -421,16 +421,16 @@ def test_a_verifier_that_lost_a_request_ends_the_step_stream_and_the_whole_recor
     async def go() -> list[int]:
         client = VerifierClient(system.by_name("verifier").address, 30.0, 4 << 20)
         try:
-            (first,), _, _ = await client.verify([check(prompt, len(prompt))], [])
+            (first,), _ = await client.verify([check(prompt, len(prompt))], [])
             opened = client.steps
-            record = prompt + first
+            record = prompt + first.tokens
             await client.release(["a"])
             with pytest.raises(VerifierLost, match="resend the whole record"):
                 await client.verify([check([], len(record))], [])
             assert client.steps is None and opened.done()
-            (second,), _, _ = await client.verify([check(record, len(record))], [])
+            (second,), _ = await client.verify([check(record, len(record))], [])
             assert client.steps is not None and not client.steps.done()
-            return first + second
+            return first.tokens + second.tokens
         finally:
             await client.release(["a"])
             await client.close()

@@ -16,7 +16,7 @@ import grpc
 from prometheus_client import Gauge, Histogram
 
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.convert import features_to_pb, sampling_from_pb, tree_from_pb
+from specinfer_rpc.convert import features_to_pb, logprobs_to_pb, sampling_from_pb, tree_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import Abort, rpc_errors
@@ -63,7 +63,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
-                               sampling_from_pb(item.sampling), item.return_features) for item in request.items]
+                               sampling_from_pb(item.sampling), item.return_features,
+                               item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs)
+                 for item in request.items]
         for req in batch:
             req.sampling.validate()
         ids = [req.request_id for req in batch]
@@ -77,7 +79,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
         return verifier_pb2.VerifyResponse(
             results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens,
-                                               features=features_to_pb(v.features) if v.features else None)
+                                               features=features_to_pb(v.features) if v.features else None,
+                                               logprobs=logprobs_to_pb(v.logprobs or []),
+                                               prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []))
                      for r, v in zip(batch, verdicts)],
             step_ns=step_ns)
 
