@@ -283,12 +283,13 @@ class SpeculativeEngine:
         batch = [s for s in batch if not s.done]
         if not batch:
             return []
-        # features for the prompt and for the steps whose drafters drafted for the request: a feature
-        # drafter feeds zeros for the rows of the steps between (it drafts worse there, never
-        # wrongly), and a load at which the controller decodes plainly pays for none of them
+        # features for the steps that speculate for the request (also where context lookup's chain
+        # stood in for the drafters: the head's next draft needs these rows; a prefill that speculates
+        # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
+        # worse there, never wrongly), and a load at which the controller decodes plainly pays for none
         features = self.wants_features
         checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()), s.request.sampling,
-                        features and s.expansion != [] and (s.id in asked or not s.verifier_has), s.request.logprobs,
+                        features and s.id in plans, s.request.logprobs,
                         s.request.prompt_logprobs and not s.steps, s.request.top_logprobs) for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
