@@ -298,7 +298,7 @@ class Gateway:
             text, entries = c.echo or "", reply.echo_logprobs(c)
             async for msg, piece, kept in self._messages(c):
                 text += piece
-                entries += list(msg.logprobs)[:kept]
+                entries += [entry(e) for e in msg.logprobs[:kept]]
             return text, entries
 
         work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
@@ -422,7 +422,7 @@ class Reply:
     def whole(self, choices: list[Choice], outputs: list[tuple[str, list]], usage: dict) -> dict:
         out = []
         for c, (text, entries) in zip(choices, outputs):
-            logprobs = self.logprobs_json(c, [e if isinstance(e, tuple) else entry(e) for e in entries])
+            logprobs = self.logprobs_json(c, entries)
             if self.kind == "text":
                 out.append({"index": c.index, "text": text, "finish_reason": c.tally.finish, "logprobs": logprobs})
             else:

@@ -430,8 +430,8 @@ class LlamaModel(nn.Module):
     def layout(self, items: list[StepInput]) -> Layout:
         """Extend every item's cache and lay the batch out on the host."""
         pool = items[0].cache.pool
-        tokens, values, trees, n_rows = [], [], [], 0
-        for it in items:
+        tokens, values, trees, n_rows, every = [], [], [], 0, []
+        for i, it in enumerate(items):
             cache = it.cache
             if cache.pool is not pool:
                 raise ValueError("one forward pass runs on one KV pool")
@@ -442,9 +442,14 @@ class LlamaModel(nn.Module):
             values += (cache.row, len(cache.blocks), first, n_new, cache.length, n_tree, len(cache.tree.parents))
             trees.append(cache.tree.parents)
             n_rows += it.n_rows
+            if it.every_row:
+                every.append(i)
         scalars = np.fromiter(values, dtype=np.int64, count=len(values)).reshape(-1, len(SCALARS))
-        every = np.fromiter((it.every_row for it in items), dtype=bool, count=len(items))
-        return Layout(pool, tokens, scalars, trees, n_rows, every if every.any() else None)
+        mask = None
+        if every:
+            mask = np.zeros(len(items), dtype=bool)
+            mask[every] = True
+        return Layout(pool, tokens, scalars, trees, n_rows, mask)
 
     @torch.no_grad()
     def run(self, step: Step) -> torch.Tensor:

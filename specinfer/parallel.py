@@ -208,8 +208,8 @@ class PipelineVerifier(Verifier):
         check_feature_layers(feature_layers, n_layers)
         self.feature_layers = tuple(feature_layers)
         stages = [RankLayout(layout.tp, layout.pp, s * layout.tp).layers(n_layers) for s in range(layout.pp)]
-        self.holders = {s: [i for i in self.feature_layers if i in r] for s, r in enumerate(stages)}  # in asked order
-        self.holders = {s: held for s, held in self.holders.items() if held}
+        held = {s: [i for i in self.feature_layers if i in r] for s, r in enumerate(stages)}  # in asked order
+        self.holders = {s: layers for s, layers in held.items() if layers}  # the stages holding feature layers
         mine = stages[layout.stage]
         model.aux_layers = tuple(i - mine.start for i in self.holders.get(layout.stage, ()))
         self.features: torch.Tensor | None = None  # this stage's, of the last step's rows

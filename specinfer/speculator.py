@@ -118,7 +118,6 @@ class Speculator:
         dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion else None
                    for r, key in zip(batch, keys)]
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
-        fed: list[list[int]] = [[] for _ in batch]  # the nodes that went through the model, in its cache's order
         rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
         items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
         ids, levels, depth = None, [], 0
@@ -136,18 +135,20 @@ class Speculator:
             nxt, picks, parents = [], [], {}
             for r, nodes in new.items():
                 last = depth + 1 == len(batch[r].expansion)
-                if dynamic[r]:
-                    chosen = dynamic[r].level(depth, [(rows[ri].node, size[r] + u, scores[ri][j])
-                                                      for u, (ri, j) in enumerate(nodes)], last)
+                d = dynamic[r]
+                if d:
+                    chosen = d.level(depth, [(rows[ri].node, size[r] + u, scores[ri][j])
+                                             for u, (ri, j) in enumerate(nodes)], last)
                 else:
                     chosen = [] if last else range(len(nodes))
-                slot = {u: c for c, u in enumerate(fed[r])}
                 for index, u in enumerate(chosen):
                     ri, j = nodes[u]
                     nxt.append(_Row(r, size[r] + u, index))
                     picks.append(ri * kmax + j)
-                    parents.setdefault(r, []).append(slot.get(rows[ri].node, -1))
-                fed[r] += [size[r] + u for u in chosen]
+                    # a fixed tree's cache holds all its nodes in order; a dynamic one's, those fed
+                    parents.setdefault(r, []).append(d.slot(rows[ri].node) if d else rows[ri].node)
+                if d:
+                    d.feed([size[r] + u for u in chosen])
                 size[r] += len(nodes)
             drawn_ids = children[0].flatten()
             picked = None if len(picks) == drawn_ids.numel() else \
@@ -156,8 +157,7 @@ class Speculator:
             self._follow(picked, kmax)
             items = [StepInput(caches[r], [], [0] * len(p), p) for r, p in parents.items()]
             rows, depth = nxt, depth + 1
-        keep = [d.keep() if d else None for d in dynamic]
-        return self._finish(batch, caches, levels, fed, keep)
+        return self._finish(batch, caches, levels, dynamic)
 
     def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
         """One level's forward: logits [R, V]."""
@@ -207,11 +207,10 @@ class Speculator:
         drawn[s] = valid
         return tokens, drawn, q_ids, q_probs
 
-    def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list, fed: list[list[int]],
-                keep: list[set[int] | None]) -> list[TokenTree]:
+    def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list,
+                dynamic: list[_Dynamic | None]) -> list[TokenTree]:
         """Copy every level's draws to the host at once and build each request's tree: its nodes
-        drawn, under drawn parents, and of a dynamic tree the kept ones. `fed`: the nodes in each
-        request's cache, in its order."""
+        drawn, under drawn parents, and of a dynamic tree the kept ones."""
         if not levels:
             return [TokenTree() for _ in batch]
         parts = []
@@ -225,6 +224,7 @@ class Speculator:
             at += part.numel()
         raw = [TokenTree() for _ in batch]  # every candidate, -1 where not drawn
         alive: list[list[bool]] = [[] for _ in batch]
+        keep = [d.keep() if d else None for d in dynamic]
         for level, (rows, k, (tokens, _, q_ids, _)) in enumerate(levels):
             tok, ok, qi, bits = chunks[4 * level: 4 * level + 4]
             qp = struct.unpack(f"<{len(bits)}d", struct.pack(f"<{len(bits)}q", *bits))  # float64 bits back
@@ -249,10 +249,10 @@ class Speculator:
                                                       req.replacement))
                     s += 1
         out = []
-        for cache, tree, live, nodes in zip(caches, raw, alive, fed):
+        for cache, tree, live, d in zip(caches, raw, alive, dynamic):
             # the cache holds the nodes that went through the SSM (of a fixed tree all but the last
-            # level); a dead node's token (-1) never matches a committed token
-            cache.tree.tokens[:] = [tree.tokens[u] for u in nodes]
+            # level, of a dynamic one those fed); a dead node's token (-1) never matches a committed token
+            cache.tree.tokens[:] = [tree.tokens[u] for u in d.fed] if d else tree.tokens[: len(cache.tree)]
             keep = [u for u in range(len(tree)) if live[u]]
             out.append(merge([_subtree(tree, keep)]))
         return out
@@ -265,6 +265,16 @@ class _Dynamic:
         self.widths = list(itertools.accumulate(expansion, lambda a, b: a * b))  # w_1 .. w_m
         self.top = min(max(self.widths), DYNAMIC_TOP)
         self.score: dict[int, float] = {-1: 0.0}  # node -> log-probability of its path (the root's: 0)
+        self.fed: list[int] = []  # the nodes that went through the model, in its cache's order
+        self._slots: dict[int, int] = {-1: -1}  # node -> its index in the cache's scratch tree
+
+    def feed(self, nodes: list[int]) -> None:
+        for u in nodes:
+            self._slots[u] = len(self.fed)
+            self.fed.append(u)
+
+    def slot(self, node: int) -> int:
+        return self._slots[node]
 
     def level(self, depth: int, candidates: list[tuple[int, int, float]], last: bool) -> list[int]:
         """Score a level's candidates (parent, node, log-probability); the positions among them of

@@ -165,22 +165,27 @@ class Verifier:
         roots = [s + (len(r.new_tokens) - 1 if r.prompt_logprobs and r.new_tokens else 0) for r, s in zip(batch, starts)]
         verdicts = verify_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
                                 [len(self.caches[r.request_id].tokens) for r in batch])
-        rows, tokens, tops, spans = [], [], [], []
-        for r, start, root, v in zip(batch, starts, roots, verdicts):
+        asked = [i for i, r in enumerate(batch) if r.logprobs or r.prompt_logprobs]
+        if not asked:
+            return verdicts
+        rows, tokens, tops = [], [], []
+        for i in asked:
+            r, root, v = batch[i], roots[i], verdicts[i]
             if r.prompt_logprobs:
-                rows += range(start, root)
+                rows += range(starts[i], root)
                 tokens += r.new_tokens[1:]
             if r.logprobs:
                 rows += [root] + [root + 1 + u for u in v.path]
                 tokens += v.tokens
-            spans.append(len(rows))
             tops += [r.top_logprobs] * (len(rows) - len(tops))
-        if rows:
-            entries = token_logprobs(logits, rows, tokens, tops)
-            at = 0
-            for r, root, start, v, end in zip(batch, roots, starts, verdicts, spans):
-                if r.prompt_logprobs:
-                    v.prompt_logprobs, at = entries[at: at + root - start], at + root - start
-                if r.logprobs:
-                    v.logprobs, at = entries[at: end], end
+        entries = token_logprobs(logits, rows, tokens, tops)
+        at = 0
+        for i in asked:
+            r, v = batch[i], verdicts[i]
+            if r.prompt_logprobs:
+                n = roots[i] - starts[i]
+                v.prompt_logprobs, at = entries[at: at + n], at + n
+            if r.logprobs:
+                n = len(v.tokens)
+                v.logprobs, at = entries[at: at + n], at + n
         return verdicts
