@@ -92,6 +92,12 @@ def served_ssms() -> list[Path]:
     return default_ssms()[:1]
 
 
+def served_heads() -> list[Path]:
+    """The feature drafters the services draft with on the default LLM unless told otherwise: the
+    first head, in a speculator of its own beside SSM 0's."""
+    return default_heads()[:1]
+
+
 def checkpoint_dir(ref: str | Path) -> Path:
     """A plain Hugging Face checkpoint directory for any checkpoint reference (see the module)."""
     if str(ref) == DEFAULT_LLM:

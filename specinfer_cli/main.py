@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, resolve_dtype,
-                                   same_tokenizer, served_ssms)
+                                   same_tokenizer, served_heads, served_ssms)
 from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS
@@ -106,10 +106,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssm", type=Path, action="append", default=None,
                    help="SSM checkpoint, repeatable (default: the default LLM's drafters in models/smollm2; "
                         "serve: SSM 0 alone, merged with the manager's context lookup)")
-    p.add_argument("--head", type=Path, action="append", default=[],
+    p.add_argument("--head", type=Path, action="append", default=None,
                    help="a feature drafter (an EAGLE-3 head of the LLM, published layout), repeatable: in process it "
-                        "drafts beside the SSMs the mode uses; serve: a speculator service of its own "
-                        "(models/smollm2/head-0: the default LLM's)")
+                        "drafts beside the SSMs the mode uses; serve: a speculator service of its own (default on "
+                        "the default LLM: its head, models/smollm2/head-0; --no-head for none)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="generate runs on the CPU (auto: float32); serve: auto is bfloat16 on CUDA, float32 on the CPU")
 
@@ -121,7 +121,7 @@ def load_engine(args, mode: str) -> Engine:
         same_tokenizer(args.llm, d)
     ssms = [load_model(d, args.dtype) for d in ssm_dirs]
     heads = [] if mode == Mode.INCREMENTAL.value else [
-        EagleHead.from_pretrained(h, llm.cfg, llm.embed.weight, llm.dtype) for h in args.head]
+        EagleHead.from_pretrained(h, llm.cfg, llm.embed.weight, llm.dtype) for h in args.head or []]
     expansion = EXPANSION if args.expansion is None else parse_expansion(args.expansion)
     # without --expansion, the cost-model controller picks each step's depth of the default, as the manager does
     return Engine(llm, ssms, Mode(mode), expansion, args.draft_replacement, lookup=args.context_lookup,
@@ -208,15 +208,24 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
+def serve_heads(args) -> list[Path]:
+    """The feature drafters `specinfer serve` runs: those named, or on the default LLM its own head."""
+    if args.no_head:
+        return []
+    if args.head is not None:
+        return args.head
+    return served_heads() if str(args.llm) == DEFAULT_LLM else []
+
+
 def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
-    ssms = args.ssm or served_ssms()
+    ssms, heads = args.ssm or served_ssms(), serve_heads(args)
     try:
         checkpoint_dir(args.llm)  # converted once here, before the services start; a missing package: one line
         for d in ssms:
             same_tokenizer(args.llm, d)
-        for h in args.head:
+        for h in heads:
             head_layers(h, args.llm)  # a head that does not fit the LLM: refused here, naming what
     except (ValueError, FileNotFoundError) as e:
         print(f"specinfer serve: error: {e}", file=sys.stderr)
@@ -235,7 +244,7 @@ def cmd_serve(args) -> int:
                     ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
                     credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
                     http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args),
-                    heads=args.head)
+                    heads=heads)
     for s in system.services:
         print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics or s.url + '/metrics'}",
               file=sys.stderr)
@@ -418,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--tls-ca", default="", help="PEM CA bundle the services verify each other with")
     srv.add_argument("--tls-client-auth", action="store_true", help="mutual TLS: every service requires client certificates")
     add_model_flags(srv)
+    srv.add_argument("--no-head", action="store_true", help="no feature speculator: the SSMs and context lookup alone")
     srv.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)

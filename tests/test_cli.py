@@ -171,3 +171,17 @@ def test_serve_stopped_while_starting_stops_the_services_it_already_started():
     for pid in started:  # none is left running, orphaned
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_serve_runs_the_default_llms_head_unless_told_otherwise():
+    from argparse import Namespace
+
+    from specinfer.checkpoints import DEFAULT_LLM, served_heads
+    from specinfer_cli.main import serve_heads
+
+    (head,) = served_heads()
+    assert (head / "config.json").is_file()
+    assert serve_heads(Namespace(llm=DEFAULT_LLM, head=None, no_head=False)) == [head]
+    assert serve_heads(Namespace(llm=DEFAULT_LLM, head=None, no_head=True)) == []
+    assert serve_heads(Namespace(llm=str(MODELS / "llm"), head=None, no_head=False)) == []  # not the default LLM's
+    assert serve_heads(Namespace(llm=str(MODELS / "llm"), head=[MODELS / "h"], no_head=False)) == [MODELS / "h"]

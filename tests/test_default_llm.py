@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specinfer.checkpoints import (DEFAULT_LLM, DEFAULT_LLM_INSTALL, checkpoint_dir, default_llm_file, default_prompts,
-                                   default_ssms, served_ssms)
+                                   default_ssms, served_heads, served_ssms)
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.prompts import prompt_ids, read_prompt_file
@@ -79,7 +79,7 @@ def test_services_and_the_gateway_serve_the_default_llm_exactly(tokenizer, recor
     from specinfer_rpc.client import generate_all
     from specinfer_rpc.launch import launch
 
-    system = launch(DEFAULT_LLM, served_ssms(), len(served_ssms()), port=0, http_port=0)
+    system = launch(DEFAULT_LLM, served_ssms(), len(served_ssms()), port=0, http_port=0, heads=served_heads())
     try:
         requests = [Request(prompt_ids(tokenizer, r), NEW_TOKENS) for r in records]
         for speculation in (None, "off", "2,1,1"):

@@ -31,7 +31,8 @@ import yaml
 from gateway_svc.__main__ import GatewayConfig
 from manager_svc.__main__ import ManagerConfig
 from manager_svc.discovery import parse_target
-from specinfer.checkpoints import BASE, DEFAULT_LLM, DEFAULT_LLM_INSTALL
+from specinfer.checkpoints import BASE, DEFAULT_LLM, DEFAULT_LLM_INSTALL, served_heads
+from specinfer.eagle import head_layers
 from specinfer_rpc.config import ServerConfig, env_name, load_config
 from specinfer_rpc.launch import Service, System, launch
 from speculator_svc.__main__ import SpeculatorConfig
@@ -243,10 +244,14 @@ def assert_models_in_image(image: Image, cfg, where: str) -> None:
         assert f"--tokenizer-to {cfg.tokenizer}" in text and f"COPY --from=builder {cfg.tokenizer} {cfg.tokenizer}" in text, \
             f"{where}: no tokenizer at {cfg.tokenizer}"
         return
-    needed = [f"{d}/{f}" for d in cfg.ssm for f in ("config.json", "model.safetensors")]
-    if any((ROOT / d / BASE).exists() for d in cfg.ssm):
+    drafters = cfg.ssm + cfg.head
+    needed = [f"{d}/{f}" for d in drafters for f in ("config.json", "model.safetensors")]
+    if cfg.head:  # a head reads the LLM's config and embedding from the converted LLM
+        assert cfg.llm == DEFAULT_LLM, f"{where}: heads for {cfg.llm}"
         assert_default_llm_installed(image, where)
-        needed += [f"{d}/{BASE}" for d in cfg.ssm]
+    if any((ROOT / d / BASE).exists() for d in drafters):
+        assert_default_llm_installed(image, where)
+        needed += [f"{d}/{BASE}" for d in drafters]
     for path in needed:
         source = image.repo_path(path)
         assert source is not None and source.is_file(), f"{where}: {path} is not in {image.dockerfile.name}"
@@ -415,10 +420,20 @@ def test_the_compose_schema_check_catches_a_misspelt_key(tmp_path):
     assert "stop_grace" in compose_schema_errors(tmp_path / "compose.yaml")
 
 
+def assert_heads_read_what_the_verifier_returns(verifier: VerifierConfig, speculators: list[SpeculatorConfig], where):
+    """Every head a speculator serves reads the layers whose features the verifier returns, and the
+    deployment serves the default LLM's head, as `specinfer serve` does."""
+    heads = [h for cfg in speculators for h in cfg.head]
+    assert sorted(heads) == sorted(str(h.relative_to(ROOT)) for h in served_heads()), where
+    for h in heads:
+        assert head_layers(ROOT / h, DEFAULT_LLM) == tuple(verifier.feature_layers), (where, h)
+
+
 def test_compose_runs_each_image_with_settings_its_service_accepts_and_wires_them(images):
     compose = load_compose("compose.yaml")
     services = {name: (svc, image, cfg) for name, svc, image, cfg in compose_services(compose, images)}
-    assert set(services) == set(SERVICES)
+    drafters = [name for name, (_, _, cfg) in services.items() if isinstance(cfg, SpeculatorConfig)]
+    assert set(services) - set(drafters) == set(SERVICES) - {"speculator"} and "speculator" in drafters
     for name, (svc, image, cfg) in services.items():
         where = f"compose service {name}"
         assert_serves_in_container(image, cfg, where)
@@ -429,12 +444,14 @@ def test_compose_runs_each_image_with_settings_its_service_accepts_and_wires_the
         gpus = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         assert [d["driver"] for d in gpus] == (["nvidia"] if name == "verifier" else []), where
 
-    speculator, manager, gateway = services["speculator"], services["manager"], services["gateway"]
-    assert not {"container_name", "ports"} & set(speculator[0]), "speculator: --scale needs both unset"
+    manager, gateway = services["manager"], services["gateway"]
+    for name in drafters:
+        assert not {"container_name", "ports"} & set(services[name][0]), f"{name}: --scale needs both unset"
     target = [parse_target(e) for e in manager[2].speculators]
-    assert [(t.name, t.port) for t in target] == [("speculator", speculator[2].port)]
+    assert [(t.name, t.port) for t in target] == [(name, services[name][2].port) for name in drafters]
+    assert_heads_read_what_the_verifier_returns(services["verifier"][2], [services[n][2] for n in drafters], "compose")
     assert manager[2].verifier == f"verifier:{services['verifier'][2].port}"
-    assert set(manager[0]["depends_on"]) == {"verifier", "speculator"}
+    assert set(manager[0]["depends_on"]) == {"verifier", *drafters}
     assert gateway[2].manager == f"manager:{manager[2].port}"
     assert set(gateway[0]["depends_on"]) == {"manager"}
     assert {name for name, (svc, _, _) in services.items() if "ports" in svc} == {"manager", "gateway"}
@@ -537,9 +554,15 @@ def test_services_select_their_pods_and_each_service_dials_the_others_by_their_d
             assert p["port"] == container_ports[p["name"]], (name, p)
             assert p["targetPort"] in (p["name"], container_ports[p["name"]]), (name, p)
 
-    speculator = services["speculator"]
-    assert speculator["spec"]["clusterIP"] == "None", "a ClusterIP would pin the manager to one speculator pod"
+    drafters = [name for name, d in deployments.items()
+                if isinstance(k8s_config(d, compose_images)[1], SpeculatorConfig)]
+    assert "speculator" in drafters
+    for name in drafters:
+        assert services[name]["spec"]["clusterIP"] == "None", f"{name}: a ClusterIP would pin the manager to one pod"
     _, manager = k8s_config(deployments["manager"], compose_images)
+    _, verifier = k8s_config(deployments["verifier"], compose_images)
+    assert_heads_read_what_the_verifier_returns(
+        verifier, [k8s_config(deployments[n], compose_images)[1] for n in drafters], "kubernetes")
 
     def dns_name(service):
         return f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
@@ -548,7 +571,7 @@ def test_services_select_their_pods_and_each_service_dials_the_others_by_their_d
         return next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
 
     targets = [parse_target(e) for e in manager.speculators]
-    assert [(t.name, t.port) for t in targets] == [(dns_name(speculator), grpc_port(speculator))]
+    assert [(t.name, t.port) for t in targets] == [(dns_name(services[n]), grpc_port(services[n])) for n in drafters]
     assert manager.verifier == f"{dns_name(services['verifier'])}:{grpc_port(services['verifier'])}"
     _, gateway = k8s_config(deployments["gateway"], compose_images)
     assert gateway.manager == f"{dns_name(services['manager'])}:{grpc_port(services['manager'])}"
@@ -556,7 +579,7 @@ def test_services_select_their_pods_and_each_service_dials_the_others_by_their_d
 
 def test_autoscalers_scale_existing_deployments_on_cpu_they_request(manifests):
     deployments, hpas = by_kind(manifests, "Deployment"), by_kind(manifests, "HorizontalPodAutoscaler")
-    assert set(hpas) == {"speculator", "manager"}
+    assert set(hpas) == {"speculator", "speculator-head", "manager"}
     for name, hpa in hpas.items():
         ref = hpa["spec"]["scaleTargetRef"]
         assert (ref["apiVersion"], ref["kind"]) == ("apps/v1", "Deployment") and ref["name"] in deployments, name
