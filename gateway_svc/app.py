@@ -198,7 +198,7 @@ class Gateway:
             raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
                                 f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
         prompts = self.prompt_ids(body)
-        stops, stop_ids = body.stop_strings(), body.stop_token_ids()
+        stops, stop_ids, grammar = body.stop_strings(), body.stop_token_ids(), body.grammar()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
         texts = body.prompts() if body.echo else [None] * len(prompts)
@@ -213,7 +213,8 @@ class Gateway:
                                                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos),
                     speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees,
                     return_logprobs=body.wants_logprobs and not silent, top_logprobs=body.top,
-                    return_prompt_logprobs=body.echo and body.wants_logprobs)
+                    return_prompt_logprobs=body.echo and body.wants_logprobs,
+                    response_format=generation_pb2.ResponseFormat(**{grammar[0]: grammar[1]}) if grammar else None)
                 echo = (text if isinstance(text, str) else self.decode(prompt)) if body.echo else None
                 choices.append(Choice(p * body.n + j, self.stub.Generate(request, timeout=self.timeout, metadata=metadata),
                                       Tally(len(prompt), TextStream(self.decode, stops), set(stop_ids), silent),
@@ -474,6 +475,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             "id": info.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
             "specinfer": {"expansion": list(info.expansion), "tree_budget": info.tree_budget,
                           "speculators": info.speculators, "context_lookup_mask": info.context_lookup_mask,
+                          "grammar_mask": info.grammar_mask,
                           "drafters": list(info.drafter_names),
                           "context_length": info.context_length,
                           "default_max_new_tokens": info.default_max_new_tokens,

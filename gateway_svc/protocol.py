@@ -4,8 +4,12 @@ Supported beyond text: `logprobs` (completions: the top up to 20; chat: `logprob
 `top_logprobs` up to 20), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
 token-id lists and several prompts in one request (completions), and `n` choices per prompt (choice
 j samples with a seed derived from the request's, `choice_seeds`).
+`response_format` (both endpoints): `text`, `json_object`, `json_schema` (its `schema` is enforced
+whether `strict` or not), and as extensions `{"type": "regex", "regex": ...}` and
+`{"type": "grammar", "grammar": ...}` (llguidance's Lark syntax); one that does not compile is a 400
+naming `response_format`.
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
-`best_of`, `suffix`, penalties, `logit_bias`, tools, `response_format`. They are accepted at their
+`best_of`, `suffix`, penalties, `logit_bias`, tools. They are accepted at their
 neutral values (`best_of: 1`, `presence_penalty: 0`, ...), which some clients always send.
 Extensions: `top_k`, `ignore_eos`, `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1];
 unset: the server's default) and `return_draft_trees` (each streamed step carries its draft tree).
@@ -13,6 +17,7 @@ unset: the server's default) and `return_draft_trees` (each streamed step carrie
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,7 +54,8 @@ STATUS = {
 OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "stop_token_ids": "stop",
                  "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "speculation.expansion": "speculation", "speculation.mode": "speculation"}
+                 "speculation.expansion": "speculation", "speculation.mode": "speculation",
+                 **{f"response_format.{kind}": "response_format" for kind in ("json_object", "json_schema", "regex", "lark")}}
 
 
 class ApiError(Exception):
@@ -103,6 +109,7 @@ class _Generation(BaseModel):
     speculation: str | list[int] | None = None
     return_draft_trees: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
+    response_format: dict[str, Any] | None = None
     # refused unless neutral
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -116,6 +123,32 @@ class _Generation(BaseModel):
             raise ApiError.bad("logit_bias", "not supported (outputs are exactly the model's distribution)")
         if self.stream_options is not None and not self.stream:
             raise ApiError.bad("stream_options", "only allowed with stream: true")
+
+    def grammar(self) -> tuple[str, str] | None:
+        """The response format as the manager's `ResponseFormat` takes it: (its field, the value), or
+        None for plain text. Whether a schema, regex or grammar compiles is the manager's to say."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text" and fmt.keys() == {"type"}:
+            return None
+        if kind == "json_object" and fmt.keys() == {"type"}:
+            return "json_object", True
+        if kind == "json_schema" and fmt.keys() == {"type", "json_schema"}:
+            spec = fmt["json_schema"]
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise ApiError.bad("response_format", "json_schema: {\"name\": ..., \"schema\": {...}} with the schema")
+            unknown = set(spec) - {"name", "description", "schema", "strict"}
+            if unknown:
+                raise ApiError.bad("response_format", f"json_schema: unknown keys {sorted(unknown)}")
+            return "json_schema", json.dumps(spec["schema"])
+        for ours, field in (("regex", "regex"), ("grammar", "lark")):
+            if kind == ours and fmt.keys() == {"type", ours} and isinstance(fmt[ours], str):
+                return field, fmt[ours]
+        raise ApiError.bad("response_format", "one of {\"type\": \"text\"}, {\"type\": \"json_object\"}, "
+                           "{\"type\": \"json_schema\", \"json_schema\": {...}}, {\"type\": \"regex\", \"regex\": ...}, "
+                           "{\"type\": \"grammar\", \"grammar\": ...}")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, str)]
@@ -208,13 +241,12 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError.bad("top_logprobs", "only with logprobs: true")
-        for name in ("tools", "tool_choice", "response_format"):
+        for name in ("tools", "tool_choice"):
             if getattr(self, name) is not None:
                 raise ApiError.bad(name, "not supported")
         if self.max_completion_tokens is not None:

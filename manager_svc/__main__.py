@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
 from specinfer.engine import SpeculativeEngine
+from specinfer.grammar import Grammars
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
 from specinfer_rpc.config import ServerConfig, load_config, option
@@ -102,10 +103,12 @@ async def main(cfg: ManagerConfig) -> None:
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
     lookup = cfg.context_lookup and bool(speculators)
+    tokenizer = Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json"))
+    grammars = Grammars(tokenizer.to_str(), vinfo.vocab_size, list(vinfo.eos_token_ids))
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
                                else None,
-                               lookup, cfg.lookup_tokens)
+                               lookup, cfg.lookup_tokens, grammars)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks)
@@ -113,10 +116,10 @@ async def main(cfg: ManagerConfig) -> None:
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
-        context_lookup_mask=1 << len(speculators) if lookup else 0)
+        context_lookup_mask=1 << len(speculators) if lookup else 0, grammar_mask=1 << (len(speculators) + 1))
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
-    servicer = GenerationServicer(scheduler, Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json")), info)
+    servicer = GenerationServicer(scheduler, tokenizer, info)
     tasks = [asyncio.create_task(scheduler.run())]
     tasks[0].add_done_callback(stop_if_scheduler_ends)
     tasks += [asyncio.create_task(s.discover(cfg.discovery_interval)) for s in speculators]

@@ -20,7 +20,7 @@ import grpc
 from specinfer.engine import Check, Draft, Verified
 from specinfer.errors import VerifierLost, VerifierUnavailable
 from specinfer.tree import TokenTree
-from specinfer_rpc.convert import sampling_to_pb, tree_from_pb, tree_to_pb
+from specinfer_rpc.convert import allowed_to_pb, sampling_to_pb, tree_from_pb, tree_to_pb
 from specinfer_rpc.security import open_channel
 from specinfer_rpc.server import channel_options
 from specinfer_rpc.v1 import (
@@ -63,7 +63,8 @@ class VerifierClient:
                                            record_length=c.record_length, tree=tree_to_pb(c.tree),
                                            sampling=sampling_to_pb(c.sampling), return_features=c.features,
                                            return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
-                                           return_prompt_logprobs=c.prompt_logprobs)
+                                           return_prompt_logprobs=c.prompt_logprobs,
+                                           allowed=allowed_to_pb(c.allowed))
                    for c in batch])
         if self.steps is None or self.steps.done():
             await self._connected()

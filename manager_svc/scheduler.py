@@ -79,6 +79,7 @@ class Scheduler:
             raise ValueError(f"max_new_tokens: prompt ({len(request.prompt)}) + max_new_tokens "
                              f"({request.max_new_tokens}) + draft tree need {self._kv_need(seq)} KV slots; "
                              f"this manager may reserve {self.kv_tokens} of the verifier's")
+        seq.constraint = self.engine.constraint(request)  # a grammar that does not compile: refused here
         self.waiting.append(seq)
         self.wake.set()
         return seq

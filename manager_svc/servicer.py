@@ -9,7 +9,7 @@ from specinfer.engine import Chunk
 from specinfer.generate import Request, validate
 from specinfer.model import check_token_ids
 from specinfer.tree import validate_expansion
-from specinfer_rpc.convert import sampling_from_pb
+from specinfer_rpc.convert import grammar_from_pb, sampling_from_pb
 from specinfer_rpc.server import rpc_errors
 from specinfer_rpc.v1 import generation_pb2, generation_pb2_grpc
 
@@ -30,7 +30,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         stopping = pb.stopping
         request = Request(list(pb.prompt_token_ids), stopping.max_new_tokens or self.info.default_max_new_tokens,
                           sampling_from_pb(pb.sampling), tuple(stopping.stop_token_ids), stopping.ignore_eos,
-                          pb.request_id, pb.return_logprobs, pb.return_prompt_logprobs, pb.top_logprobs)
+                          pb.request_id, pb.return_logprobs, pb.return_prompt_logprobs, pb.top_logprobs,
+                          grammar_from_pb(pb.response_format))
         validate(request, self.info.vocab_size, self.info.context_length, self.info.max_new_tokens_cap)
         mode = pb.speculation.mode
         if mode == generation_pb2.SPECULATION_MODE_OFF:

@@ -9,8 +9,10 @@ One iteration over a batch of running requests:
   2. draft: context lookup's chain from the request's own earlier text (lookup.py), of up to
      `lookup_tokens` tokens, or as deep as the planned tree (0); then every drafter at once (SSMs in
      this process, or speculator services), for every request, or with lookup's chain first only
-     for those lookup found nothing for; merge each request's trees into one;
+     for those lookup found nothing for; a constrained request's grammar drafts the tokens it
+     forces (grammar.py); merge each request's trees into one, and drop what its grammar forbids;
   3. verify: one batched step; a new request's prompt rides in the same step as the others' trees;
+     a constrained request's rows are masked to what its grammar allows there;
   4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
 
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
@@ -29,7 +31,9 @@ from typing import Protocol
 
 from .controller import Choice, Iteration, SpeculationController
 from .errors import VerifierLost, VerifierUnavailable
+from .grammar import FORCED_TOKENS, Constraint, Grammars, GrammarSpec
 from .lookup import ContextIndex, chain_outcome, chain_tree
+from .masks import AllowedTokens
 from .sampling import SamplingParams
 from .tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
 
@@ -54,6 +58,7 @@ class Request:
     logprobs: bool = False  # each generated token's logprob (logprobs.py)
     prompt_logprobs: bool = False  # the prompt's tokens' (all but the first), with the first chunk
     top_logprobs: int = 0  # with each of them, the most likely tokens there
+    grammar: GrammarSpec | None = None  # constrained output: what the generated text must match (grammar.py)
 
 
 @dataclass
@@ -81,6 +86,7 @@ class Check:
     logprobs: bool = False  # return the tokens' logprobs
     prompt_logprobs: bool = False  # return those of new_tokens[1:]
     top_logprobs: int = 0  # with this many alternatives each
+    allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (the root's, the tree's)
 
 
 @dataclass
@@ -131,7 +137,7 @@ class Chunk:
     accepted: int = 0  # draft tokens among them
     tree: TokenTree | None = None  # the merged tree the step verified (None: none)
     # for a request that asked for its trees: which drafters proposed each node (bit i: drafter i,
-    # context lookup the bit after them) and the nodes the verifier accepted
+    # context lookup the bit after them, the grammar's forced tokens the next) and the nodes the verifier accepted
     proposers: list[int] = field(default_factory=list)
     accepted_nodes: list[int] = field(default_factory=list)
     logprobs: list | None = None  # of each token, for a request that asked (logprobs.TokenLogprob)
@@ -156,6 +162,7 @@ class Sequence:
     resyncs: int = 0
     context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
     features: list = field(default_factory=list)  # the verifier's features the feature drafters have not had yet
+    constraint: Constraint | None = None  # the grammar's state after the committed tokens (request.grammar)
 
     @property
     def id(self) -> str:
@@ -184,13 +191,16 @@ class Stats:
     shapes: dict = field(default_factory=dict)  # (batch size, levels) -> [iterations, wall time]
     verify_s: float = 0.0  # of the wall time, the verifier's step
     draft_s: float = 0.0  # of the wall time, the slowest drafter's tree building
+    grammar_s: float = 0.0  # of the wall time, constrained requests' grammars: masks, pruning, forced drafts, states
 
-    def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float) -> None:
+    def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float,
+            grammar_s: float = 0.0) -> None:
         shape = self.shapes.setdefault((batch_size, levels), [0, 0.0])
         shape[0] += 1
         shape[1] += busy_s
         self.verify_s += verify_s
         self.draft_s += draft_s
+        self.grammar_s += grammar_s
 
     def summary(self) -> dict:
         iterations = sum(k for k, _ in self.shapes.values())
@@ -198,7 +208,7 @@ class Stats:
         n = max(iterations, 1)
         return {"iterations": iterations, "mean_batch": sum(b * k for (b, _), (k, _) in self.shapes.items()) / n,
                 "ms_per_iteration": 1e3 * busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
-                "draft_ms": 1e3 * self.draft_s / n,
+                "draft_ms": 1e3 * self.draft_s / n, "grammar_ms": 1e3 * self.grammar_s / n,
                 "overhead_ms": 1e3 * (busy_s - self.verify_s - self.draft_s) / n,
                 "by_batch_and_levels": {f"{b}x{m}": {"iterations": k, "ms": round(1e3 * t / k, 2)}
                                         for (b, m), (k, t) in sorted(self.shapes.items())}}
@@ -221,7 +231,7 @@ def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]
 class SpeculativeEngine:
     def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
-                 lookup: bool = False, lookup_tokens: int = 0):
+                 lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
         self.verifier = verifier
@@ -232,8 +242,18 @@ class SpeculativeEngine:
         self.controller = controller  # None: always the server's whole trees (within the budget)
         self.lookup = lookup  # context lookup joins the drafters' trees (proposer number len(drafters))
         self.lookup_tokens = lookup_tokens  # 0: as deep as the request's planned tree (what the controller models)
+        self.grammars = grammars  # compiles requests' grammars (None: constrained requests are refused)
         self.verifier_release: set[str] = set()  # sent with the next verify call
         self.stats = Stats()
+
+    def constraint(self, request: Request) -> Constraint | None:
+        """The request's grammar state at the start of its output (None: unconstrained); ValueError
+        naming the field when it does not compile. Called before the request takes any state."""
+        if request.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"{request.grammar.field}: this engine has no tokenizer to compile grammars with")
+        return self.grammars.compile(request.grammar)
 
     @property
     def wants_features(self) -> bool:
@@ -247,7 +267,8 @@ class SpeculativeEngine:
         expansion = seq.expansion if seq.expansion is not None else (
             fit_expansion(self.expansion, self.tree_budget) if self.tree_budget is not None else self.expansion)
         chain = (self.lookup_tokens or len(expansion)) if self.lookup and expansion else 0
-        return tree_size(expansion) * len(self.drafters) + chain
+        forced = FORCED_TOKENS if seq.request.grammar is not None and expansion else 0
+        return tree_size(expansion) * len(self.drafters) + chain + forced
 
     # -- releasing state --------------------------------------------------------------------
     def release(self, request_id: str) -> None:
@@ -283,6 +304,16 @@ class SpeculativeEngine:
         batch = [s for s in batch if not s.done]
         if not batch:
             return []
+        allowed, forced = {}, {}  # constrained requests: each row's allowed tokens, the nodes the grammar drafted
+        grammar_start = time.perf_counter()
+        for s in batch:
+            if s.constraint is not None:
+                tree, allowed[s.id], forced[s.id] = s.constraint.constrain(
+                    trees.pop(s.id, TokenTree()), FORCED_TOKENS if s.id in plans else 0, self._room(s),
+                    s.request.sampling.sampled_drafts)
+                if len(tree):
+                    trees[s.id] = tree
+        grammar_s = time.perf_counter() - grammar_start
         # features for the steps that speculate for the request (also where context lookup's chain
         # stood in for the drafters: the head's next draft needs these rows; a prefill that speculates
         # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
@@ -290,7 +321,8 @@ class SpeculativeEngine:
         features = self.wants_features
         checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()), s.request.sampling,
                         features and s.id in plans, s.request.logprobs,
-                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs) for s in batch]
+                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id))
+                  for s in batch]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
@@ -319,11 +351,12 @@ class SpeculativeEngine:
                 s.features.append(v.features)
             if s.done:  # cancelled while the step ran
                 continue
-            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}))))
-        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9)
+            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}), forced.get(s.id, ()))))
+        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s)
         return out
 
-    def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree]) -> Chunk:
+    def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree],
+                forced: list[int]) -> Chunk:
         tokens = v.tokens
         s.verifier_has = s.length + len(tokens)
         s.steps += 1
@@ -331,6 +364,10 @@ class SpeculativeEngine:
         before = len(s.generated)
         s.finish_reason = append_tokens(s.generated, s.request, tokens, self.eos)
         emitted = s.generated[before:]
+        if s.constraint is not None:
+            advance_start = time.perf_counter()
+            s.constraint.advance(emitted)
+            self.stats.grammar_s += time.perf_counter() - advance_start
         accepted = len(emitted) - (len(emitted) == len(tokens))  # the bonus token is not a draft
         s.accepted.append(accepted)
         chunk = Chunk(emitted, s.finish_reason, accepted, tree,
@@ -338,6 +375,8 @@ class SpeculativeEngine:
                       prompt_logprobs=v.prompt_logprobs)
         if s.want_trees and tree is not None:
             chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
+            for u in forced:  # the grammar's drafts: the bit after context lookup's
+                chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
         return chunk
 
     def _resync(self, batch: list[Sequence], error: VerifierLost) -> list[tuple[Sequence, Chunk | Exception]]:
@@ -407,9 +446,9 @@ class SpeculativeEngine:
             else:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not (self.drafters or self.lookup):
-            for s, _ in drafting:
+            for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 s.no_tree["no drafters configured"] += 1
-            return {}, {}, {}, {}, (0, 0, set())
+            return {}, {}, {s.id: d.expansion for s, d in drafting}, {}, (0, 0, set())
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:

@@ -24,6 +24,7 @@ from .controller import SpeculationController
 from .eagle import EagleHead
 from .engine import Draft, Request, Sequence, SpeculativeEngine, Verified
 from .feature_drafter import FeatureSpeculator
+from .grammar import Grammars
 from .graphs import GraphConfig
 from .logprobs import MAX_TOP
 from .lookup import CHAIN_TOKENS
@@ -123,7 +124,8 @@ class LocalVerifier:
         await self.release(release)
         start = time.perf_counter_ns()
         verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features,
-                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs) for c in checks])
+                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs, c.allowed)
+                                       for c in checks])
         return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs) for v in verdicts],
                 time.perf_counter_ns() - start)
 
@@ -136,10 +138,12 @@ class Engine:
     def __init__(self, llm: LlamaModel, ssms: list[LlamaModel] = (), mode: Mode = Mode.TREE,
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
-                 tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False):
+                 tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False,
+                 grammars: Grammars | None = None):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
-        expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py)."""
+        expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
+        constrained requests' grammars (Request.grammar) for the LLM's tokenizer."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -164,7 +168,7 @@ class Engine:
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
             SpeculationController(lookup=lookup, chain=lookup_tokens) if adaptive else None, lookup,
-            lookup_tokens)
+            lookup_tokens, grammars)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -173,6 +177,8 @@ class Engine:
         if len(set(ids)) != len(ids):
             raise ValueError("id: request ids must be unique")
         seqs = [Sequence(replace(r, id=i), self.own_expansion) for r, i in zip(requests, ids)]
+        for s in seqs:
+            s.constraint = self.engine.constraint(s.request)
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
         logprobs: dict = {}
         try:

@@ -158,13 +158,14 @@ def merge(trees: list[TokenTree]) -> TokenTree:
 
 
 def proposers(merged: TokenTree, trees: dict[int, TokenTree]) -> list[int]:
-    """Per node of `merged` (the merge of `trees`, keyed by source number), a bitmask of the
-    sources whose tree has the node's path: bit i for source i."""
+    """Per node of `merged` (the merge of `trees`, keyed by source number, maybe pruned by a grammar),
+    a bitmask of the sources whose tree has the node's path: bit i for source i."""
     index = {path: u for u, path in enumerate(merged.paths())}
     bits = [0] * len(merged)
     for i, tree in trees.items():
         for path in tree.paths():
-            bits[index[path]] |= 1 << i
+            if path in index:  # not a path a grammar pruned
+                bits[index[path]] |= 1 << i
     return bits
 
 

@@ -26,6 +26,7 @@ from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
 from .acceptance import Verdict, verify_batch
 from .logprobs import MAX_TOP, token_logprobs
+from .masks import AllowedTokens, apply_masks
 
 
 FEATURE_BYTES = 8 << 20  # features a step returns at most: half the services' 16 MiB messages
@@ -41,6 +42,7 @@ class VerifyRequest:
     logprobs: bool = False  # return each token's logprob (logprobs.py)
     prompt_logprobs: bool = False  # return those of new_tokens[1:] (a prompt's, at its prefill)
     top_logprobs: int = 0  # with each of them, the most likely tokens there
+    allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (masks.py)
 
 
 @dataclass
@@ -103,6 +105,8 @@ class Verifier:
                 check_verifiable(req.tree)
             except ValueError as e:
                 raise ValueError(f"{e} (request {req.request_id})") from None
+            if req.allowed is not None:
+                req.allowed.check(1 + len(req.tree), vocab, f"allowed (request {req.request_id})")
         want_features = any(r.features for r in batch)
         if want_features and not self.feature_layers:
             raise ValueError("features: this verifier keeps no features (started without feature layers)")
@@ -160,9 +164,13 @@ class Verifier:
         return self.run(items)
 
     def decide(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int]) -> list[Verdict]:
-        """Each request's accepted path and tokens, from its rows of the logits (starting at starts),
-        and the logprobs asked for."""
+        """Each request's accepted path and tokens, from its rows of the logits (starting at starts)
+        masked to the tokens each row may take (constrained requests), and the logprobs asked for
+        (a constrained request's over its masked rows: the distribution its tokens come from)."""
         roots = [s + (len(r.new_tokens) - 1 if r.prompt_logprobs and r.new_tokens else 0) for r, s in zip(batch, starts)]
+        masked = [i for i, r in enumerate(batch) if r.allowed is not None]
+        apply_masks(logits, [range(roots[i], roots[i] + 1 + len(batch[i].tree)) for i in masked],
+                    [batch[i].allowed for i in masked])
         verdicts = verify_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
                                 [len(self.caches[r.request_id].tokens) for r in batch])
         asked = [i for i, r in enumerate(batch) if r.logprobs or r.prompt_logprobs]

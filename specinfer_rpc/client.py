@@ -12,7 +12,7 @@ import grpc
 from specinfer.generate import Generation, Request
 from specinfer.tree import parse_expansion
 
-from .convert import sampling_to_pb
+from .convert import grammar_to_pb, sampling_to_pb
 from .security import open_channel
 from .server import channel_options
 from .v1 import generation_pb2, generation_pb2_grpc
@@ -82,7 +82,7 @@ def request_pb(req: Request, speculation: str | None = None) -> generation_pb2.G
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=req.max_new_tokens,
                                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         speculation=speculation_pb(speculation), return_logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-        return_prompt_logprobs=req.prompt_logprobs)
+        return_prompt_logprobs=req.prompt_logprobs, response_format=grammar_to_pb(req.grammar))
 
 
 @dataclass

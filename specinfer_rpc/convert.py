@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specinfer.grammar import GrammarSpec
 from specinfer.logprobs import TokenLogprob
+from specinfer.masks import AllowedTokens
 from specinfer.sampling import SamplingParams
 from specinfer.tree import DraftGroup, TokenTree, check_groups
 from specinfer.verifier import Features
 
-from .v1 import common_pb2
+from .v1 import common_pb2, generation_pb2, verifier_pb2
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
@@ -75,3 +77,34 @@ def logprobs_to_pb(entries: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]
 
 def logprobs_from_pb(entries) -> list[TokenLogprob]:
     return [TokenLogprob(e.token_id, e.logprob, list(zip(e.top_token_ids, e.top_logprobs))) for e in entries]
+
+
+def allowed_to_pb(a: AllowedTokens | None) -> verifier_pb2.AllowedTokens | None:
+    if a is None:
+        return None
+    return verifier_pb2.AllowedTokens(masks=a.words.astype("<i4", copy=False).tobytes(), index=a.index)
+
+
+def allowed_from_pb(pb: verifier_pb2.AllowedTokens, vocab_size: int, field: str) -> AllowedTokens:
+    """The masks as the verifier checks them (`AllowedTokens.check`); ValueError naming `field` when
+    the bytes are not whole masks."""
+    width = 4 * ((vocab_size + 31) // 32)
+    if not pb.masks or len(pb.masks) % width:
+        raise ValueError(f"{field}: {len(pb.masks)} bytes are not whole masks of {width} bytes (vocabulary {vocab_size})")
+    words = np.frombuffer(pb.masks, dtype="<i4").astype(np.int32).reshape(-1, width // 4)
+    return AllowedTokens(words, list(pb.index))
+
+
+def grammar_to_pb(g: GrammarSpec | None) -> generation_pb2.ResponseFormat | None:
+    if g is None:
+        return None
+    return generation_pb2.ResponseFormat(**{g.kind: True if g.kind == "json_object" else g.text})
+
+
+def grammar_from_pb(pb: generation_pb2.ResponseFormat) -> GrammarSpec | None:
+    """The request's grammar (None: unconstrained); the schema, regex or grammar is checked when it
+    is compiled."""
+    kind = pb.WhichOneof("format")
+    if kind is None or (kind == "json_object" and not pb.json_object):
+        return None
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(pb, kind), f"response_format.{kind}")

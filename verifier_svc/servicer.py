@@ -16,7 +16,7 @@ import grpc
 from prometheus_client import Gauge, Histogram
 
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.convert import features_to_pb, logprobs_to_pb, sampling_from_pb, tree_from_pb
+from specinfer_rpc.convert import allowed_from_pb, features_to_pb, logprobs_to_pb, sampling_from_pb, tree_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import Abort, rpc_errors
@@ -62,9 +62,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             yield await self._verify(request)
 
     async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        vocab = self.verifier.model.cfg.vocab_size
         batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
                                sampling_from_pb(item.sampling), item.return_features,
-                               item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs)
+                               item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
+                               allowed_from_pb(item.allowed, vocab, f"allowed (request {item.request_id})")
+                               if item.HasField("allowed") else None)
                  for item in request.items]
         for req in batch:
             req.sampling.validate()

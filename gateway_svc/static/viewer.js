@@ -435,8 +435,7 @@ function drawTree(step) {
                         'data-depth': node.depth, 'data-speculators': node.mask ?? null});
     const fill = node.kind === 'draft' ? svgFill(node.mask) : null;
     const stroke = node.kind === 'draft' && !node.accepted ? maskStroke(node.mask) : null;
-    const lookup = server?.specinfer?.context_lookup_mask || 0;
-    const who = node.kind === 'draft' ? bits(node.mask).map(s => (1 << s) === lookup ? 'context lookup' : drafterName(s)).join(' + ') : '';
+    const who = node.kind === 'draft' ? bits(node.mask).map(drafterLabel).join(' + ') : '';
     const what = {root: 'last token before the step', bonus: "the LLM's bonus token",
                   draft: `proposed by ${who}${node.accepted ? ', accepted' : ''}`}[node.kind];
     g.append(
@@ -453,13 +452,23 @@ function drafterName(s) {
   return server?.specinfer?.drafters?.[s] || `SSM ${s}`;
 }
 
+/** Who drafts with bit s: a speculator, the manager's context lookup, or a constrained request's grammar. */
+function drafterLabel(s) {
+  const info = server?.specinfer || {};
+  if ((1 << s) === (info.context_lookup_mask || 0)) return 'context lookup';
+  if ((1 << s) === (info.grammar_mask || 0)) return 'grammar (forced tokens)';
+  return drafterName(s);
+}
+
 function drawLegend(speculators) {
   if (speculators <= legendFor && $('legend').children.length) return;
   legendFor = speculators;
-  const lookup = server?.specinfer?.context_lookup_mask || 0;  // the manager's context lookup, not an SSM
+  const info = server?.specinfer || {};
+  const served = Math.max(info.speculators || 0, (info.drafters || []).length);
+  const own = s => (1 << s) === info.context_lookup_mask || (1 << s) === info.grammar_mask;  // the manager's drafters
   const items = [];
   for (let s = 0; s < speculators; s++) {
-    items.push([(1 << s) === lookup ? 'context lookup' : drafterName(s), cssFill(1 << s), maskStroke(1 << s)]);
+    if (s < served || own(s)) items.push([drafterLabel(s), cssFill(1 << s), maskStroke(1 << s)]);
   }
   if (speculators > 1) items.push([speculators > 2 ? 'several drafters' : 'both', cssFill(3), maskStroke(3)]);
   items.push(['accepted path', '#ffffff', GREEN], ['★ bonus (LLM)', GREEN, GREEN]);

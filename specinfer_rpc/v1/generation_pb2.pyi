@@ -30,7 +30,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "response_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -49,7 +50,20 @@ class GenerateRequest(_message.Message):
     return_logprobs: bool
     top_logprobs: int
     return_prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    response_format: ResponseFormat
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+
+class ResponseFormat(_message.Message):
+    __slots__ = ("json_object", "json_schema", "regex", "lark")
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_object: bool
+    json_schema: str
+    regex: str
+    lark: str
+    def __init__(self, json_object: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -120,7 +134,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask", "drafter_names")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask", "drafter_names", "grammar_mask")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +146,7 @@ class ModelInfo(_message.Message):
     SPECULATORS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LOOKUP_MASK_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -143,7 +158,8 @@ class ModelInfo(_message.Message):
     speculators: int
     context_lookup_mask: int
     drafter_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ..., drafter_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    grammar_mask: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ..., drafter_names: _Optional[_Iterable[str]] = ..., grammar_mask: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

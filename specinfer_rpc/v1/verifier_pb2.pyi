@@ -17,7 +17,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class VerifyItem(_message.Message):
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     record_length: int
@@ -36,7 +37,16 @@ class VerifyItem(_message.Message):
     return_logprobs: bool
     top_logprobs: int
     return_prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    allowed: AllowedTokens
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ...) -> None: ...
+
+class AllowedTokens(_message.Message):
+    __slots__ = ("masks", "index")
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    masks: bytes
+    index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, masks: _Optional[bytes] = ..., index: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "step_ns")
