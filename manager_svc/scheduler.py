@@ -139,12 +139,27 @@ class Scheduler:
         metrics.BATCH_SIZE.observe(len(batch))
         metrics.ITERATION.observe(time.perf_counter() - start)
 
+    def _lead(self, seq: Stream) -> tuple[int, ...] | None:
+        """The prompt's first KV block, if the verifier could share it (a prompt longer than a block)."""
+        prompt = seq.request.prompt
+        return tuple(prompt[: self.kv_block_size]) if len(prompt) > self.kv_block_size else None
+
     def _admit(self) -> None:
         budget = self.max_prefill_tokens
+        # a prompt that starts like one admitted now waits one iteration: then the verifier gives it
+        # the blocks the first one's prefill holds (n choices of a prompt, a shared system prompt)
+        # instead of computing them again in the same step
+        prefilled = {self._lead(s) for s in self.running.values() if s.steps} if self.waiting else set()
+        fresh = set()
         while self.waiting and len(self.running) < self.max_batch:
             n = len(self.waiting[0].request.prompt)
             if n > budget and budget < self.max_prefill_tokens:
                 break  # this prompt waits for the next iteration's budget
+            lead = self._lead(self.waiting[0])
+            if lead is not None and lead in fresh:
+                break  # it will share the prefill of one admitted now
+            if lead is not None and lead not in prefilled:
+                fresh.add(lead)
             need = self._kv_need(self.waiting[0])
             if self.kv_tokens and self.kv_reserved + need > self.kv_tokens:
                 break  # waits for running requests to free the verifier's KV cache

@@ -16,6 +16,15 @@ growing). After verification `commit(path)` moves the accepted nodes' entries to
 committed slots (no recomputation), drops the rest of the tree, and returns blocks that no longer
 hold anything.
 
+Requests with the same leading tokens share their blocks (n choices of one prompt, a system prompt
+many requests repeat): a cache offers its committed full blocks to the pool's prefix index
+(`KVCache.register`), and a new cache takes the blocks that already hold its leading full blocks
+(`KVCache.share_prefix`) instead of computing them. A shared block is only read: a cache writes at
+its slots >= length, past every full committed block. The pool counts each block's holders and
+frees it when the last one gives it back. On the CPU in float32 K/V rows do not depend on the
+other rows of their batch (model.py), so a shared block holds what the cache would have computed
+itself, bit for bit (elsewhere to float rounding, as for a tree's rows).
+
 Which earlier slots each new query may attend to (committed tokens causally, tree nodes every
 committed slot plus their own ancestors and themselves) the batch works out from the scratch tree's
 parents (`TreeBatch.pack`), for every request at once.
@@ -56,6 +65,10 @@ class KVPool:
         # its blocks are stale: a batch reads only its slots' blocks); rows and columns grow as needed
         self.tables = np.zeros((8, 64), dtype=np.int32)
         self.free_rows: list[int] = list(range(7, -1, -1))
+        self.holders = np.zeros(n_blocks, dtype=np.int32)  # caches holding each block (several: a shared prefix)
+        self.prefix: dict[int, int] = {}  # chain hash of a committed full block's tokens and its prefix -> the block
+        self.held: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # indexed block -> (its hash, the block
+        # before it in its cache (-1: none), its tokens): what a hit is checked against
 
     @property
     def n_blocks(self) -> int:
@@ -77,7 +90,14 @@ class KVPool:
                             f"{len(self.free)} of {self.n_blocks} are free")
 
     def give_back(self, blocks: list[int]) -> None:
-        self.free.extend(reversed(blocks))
+        """A cache lets go of `blocks`; those no other cache holds are free again (and leave the
+        prefix index)."""
+        for block in reversed(blocks):
+            self.holders[block] -= 1
+            if not self.holders[block]:
+                self.free.append(block)
+                if (entry := self.held.pop(block, None)) is not None:
+                    del self.prefix[entry[0]]
 
     def take_row(self) -> int:
         """A row of `tables` for a new cache."""
@@ -99,7 +119,16 @@ class KVPool:
         table = self.tables[row]
         for i in range(at, end):  # mostly a block or two: one at a time is faster than converting lists
             table[i] = block = self.free.pop()
+            self.holders[block] = 1
             blocks.append(block)
+
+    def share(self, row: int, blocks: list[int], block: int) -> None:
+        """Append an indexed block another cache holds to a cache's block table."""
+        if len(blocks) >= self.tables.shape[1]:
+            self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
+        self.tables[row, len(blocks)] = block
+        self.holders[block] += 1
+        blocks.append(block)
 
     def drop(self, blocks: list[int], row: int) -> None:
         """A dropped cache's blocks and row come back."""
@@ -130,6 +159,8 @@ class KVCache:
         self._free = weakref.finalize(self, pool.drop, self.blocks, self.row)  # a dropped cache returns its blocks
         self.tokens: list[int] = []  # the request's committed tokens as this model knows them
         self.length = 0  # committed slots: tokens[:length] have K/V here
+        self.indexed = 0  # its leading full blocks in the pool's prefix index (or taken from it)
+        self.key = 0  # the chain hash of those blocks' tokens
         self.tree = TokenTree()  # the draft tree in scratch; its root is the last committed token
 
     @property
@@ -150,8 +181,37 @@ class KVCache:
         """Return every block to the pool; the cache is empty afterwards."""
         self.pool.give_back(self.blocks)
         self.blocks.clear()
-        self.tokens, self.length = [], 0
+        self.tokens, self.length, self.indexed, self.key = [], 0, 0, 0
         self.drop_tree()
+
+    def _next_key(self) -> tuple[int, tuple[int, ...]]:
+        bs = self.pool.block_size
+        tokens = tuple(self.tokens[self.indexed * bs: (self.indexed + 1) * bs])
+        return hash((self.key, tokens)), tokens
+
+    def share_prefix(self) -> None:
+        """A new cache whose tokens are set and none computed: take the indexed blocks that hold its
+        leading full blocks, all but its last token (whose row the step needs); each hit is checked,
+        tokens and the block before, not trusted to the hash."""
+        bs, pool = self.pool.block_size, self.pool
+        while (self.indexed + 1) * bs < len(self.tokens):
+            key, tokens = self._next_key()
+            block = pool.prefix.get(key)
+            if block is None or pool.held[block][1:] != (self.blocks[-1] if self.blocks else -1, tokens):
+                return
+            pool.share(self.row, self.blocks, block)
+            self.indexed, self.key, self.length = self.indexed + 1, key, self.length + bs
+
+    def register(self) -> None:
+        """Offer its committed full blocks to later caches with the same leading tokens."""
+        bs, pool = self.pool.block_size, self.pool
+        while (self.indexed + 1) * bs <= self.length:
+            key, tokens = self._next_key()
+            block = self.blocks[self.indexed]
+            if key not in pool.prefix and block not in pool.held:
+                pool.prefix[key] = block
+                pool.held[block] = (key, self.blocks[self.indexed - 1] if self.indexed else -1, tokens)
+            self.indexed, self.key = self.indexed + 1, key
 
     def pool_slots(self, slots) -> list[int]:
         """Where this cache's slots lie in the pool (block * block_size + offset)."""

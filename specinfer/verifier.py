@@ -116,7 +116,11 @@ class Verifier:
             cache = self.caches.get(req.request_id)
             if cache is None:
                 cache = self.caches[req.request_id] = self.pool.new_cache()
-            cache.tokens.extend(req.new_tokens)
+                cache.tokens.extend(req.new_tokens)
+                if not req.prompt_logprobs:  # its prompt's rows are computed for their logprobs
+                    cache.share_prefix()  # a prompt's leading blocks that live requests already hold
+            else:
+                cache.tokens.extend(req.new_tokens)
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))
@@ -128,6 +132,7 @@ class Verifier:
         commit_all(caches, [v.path for v in verdicts])
         for cache, verdict in zip(caches, verdicts):
             cache.tokens.extend(verdict.tokens)
+            cache.register()
         return verdicts
 
     def _attach_features(self, batch: list[VerifyRequest], items: list[StepInput], verdicts: list[Verdict],

@@ -112,6 +112,61 @@ def test_full_pool_refuses_a_step_and_changes_nothing(llm):
     verifier.step([VerifyRequest("b", [1, 2, 3])])
 
 
+def greedy_steps(verifier: Verifier, rid: str, prompt: list[int], steps: int, computed: list) -> list[int]:
+    """A request's greedy tokens over `steps` steps, each with a two-node chain drafted from the
+    previous step's tokens (some accepted, some not); `computed` gets each step's computed rows."""
+    forward = verifier.forward
+    verifier.forward = lambda items: computed.append([len(it.new_tokens) + len(it.tree_tokens) for it in items]) \
+        or forward(items)
+    out = verifier.step([VerifyRequest(rid, prompt)])[0].tokens
+    for _ in range(steps):
+        out += verifier.step([VerifyRequest(rid, [], TokenTree([out[-1], out[-1]], [-1, 0]))])[0].tokens
+    verifier.forward = forward
+    return out
+
+
+def test_a_prompt_live_requests_hold_is_taken_from_their_blocks_not_computed_again(llm, heldout_ids):
+    prompt = heldout_ids[0][:40]  # two full blocks of 16, then 8 tokens
+    alone = greedy_steps(Verifier(llm), "x", prompt, 6, [])
+    verifier = Verifier(llm)
+    pool, free = verifier.pool, len(verifier.pool.free)
+    rows = []
+    assert greedy_steps(verifier, "a", prompt, 6, rows) == alone
+    assert rows[0] == [40]
+    rows.clear()
+    assert greedy_steps(verifier, "b", prompt, 6, rows) == alone  # what it would have computed, bit for bit
+    assert rows[0] == [8]  # its first 32 tokens came from a's blocks
+    a, b = verifier.caches["a"], verifier.caches["b"]
+    assert b.blocks[:2] == a.blocks[:2] and list(pool.holders[a.blocks[:2]]) == [2, 2]
+    other = heldout_ids[0][:16] + heldout_ids[1][:24]  # the same first block only
+    rows.clear()
+    greedy_steps(verifier, "c", other, 0, rows)
+    assert rows[0] == [24] and verifier.caches["c"].blocks[0] == a.blocks[0]
+    rows.clear()
+    verifier.step([VerifyRequest("d", prompt, prompt_logprobs=True)])  # its prompt's rows are asked for
+    verifier.release("d")
+    verifier.release("a")
+    assert list(pool.holders[b.blocks[:2]]) == [2, 1]  # b still reads them (and c the first)
+    rows.clear()
+    greedy_steps(verifier, "e", prompt, 0, rows)
+    assert rows[0] == [8]
+    for rid in ("b", "c", "e"):
+        verifier.release(rid)
+    assert len(pool.free) == free and not pool.prefix and not pool.held
+
+
+def test_a_hash_hit_whose_tokens_differ_is_not_shared(llm, heldout_ids):
+    prompt = heldout_ids[0][:40]
+    verifier = Verifier(llm)
+    verifier.step([VerifyRequest("a", prompt)])
+    block = verifier.caches["a"].blocks[0]
+    key, before, tokens = verifier.pool.held[block]
+    verifier.pool.held[block] = (key, before, (tokens[0] + 1,) + tokens[1:])  # as if another prompt hashed alike
+    rows = []
+    greedy_steps(verifier, "b", prompt, 0, rows)
+    assert rows[0] == [40]
+
+
 def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, heldout_ids):
     """The model with the kernel as its attention (in Triton's interpreter when there is no GPU)
     emits exactly the tokens of transformers' incremental greedy decoding, and frees every block."""

@@ -161,3 +161,27 @@ def test_a_stream_left_unread_past_the_cap_gets_its_chunks_then_resource_exhaust
     # released on the verifier with the next step (the read stream's), not held while unread
     assert slow.done and slow.kv_reserved == 0 and slow.id not in verifier.records and read.id in verifier.records
     assert got == reference(PROMPTS[1], 10) and read.finish_reason == "length"
+
+
+def test_prompts_that_start_alike_wait_one_step_for_the_first_ones_prefill():
+    """Requests whose prompts share their first KV block with one admitted in the same iteration
+    wait one step, then come in together: the verifier then gives them the blocks that first prefill
+    holds (kv_cache.py) instead of computing the prompt again; prompts that differ, or fit in one
+    block, come in at once."""
+    verifier = Verifier()
+    engine = SpeculativeEngine(verifier, [], eos=set(), expansion=[], tree_budget=None, controller=None,
+                               lookup=False, lookup_tokens=0)
+    scheduler = Scheduler(engine, max_batch=8, max_queue=8, max_prefill_tokens=4096, kv_block_size=8)
+    shared = list(range(1, 11))
+    seqs = [scheduler.submit(Request(p, 3), None) for p in (shared, shared + [11], [9] * 9, shared, [1, 2, 3, 4, 5])]
+    admitted = []
+
+    async def go():
+        while scheduler.running or scheduler.waiting:
+            before = set(scheduler.running)
+            await scheduler.iteration()
+            admitted.append(sorted(seqs.index(s) for s in seqs if s.steps and s.id not in before and s.steps == 1))
+
+    asyncio.run(go())
+    assert admitted[:2] == [[0], [1, 2, 3, 4]]  # FIFO: the second waits, and those behind it with it
+    assert [s.generated for s in seqs] == [reference(s.request.prompt, 3) for s in seqs]
