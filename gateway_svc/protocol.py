@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specinfer.grammar import KINDS
 from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
 
@@ -55,7 +56,7 @@ OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt", "stop_token
                  "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
                  "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                  "speculation.expansion": "speculation", "speculation.mode": "speculation",
-                 **{f"response_format.{kind}": "response_format" for kind in ("json_object", "json_schema", "regex", "lark")}}
+                 **{f"response_format.{kind}": "response_format" for kind in KINDS}}
 
 
 class ApiError(Exception):

@@ -37,9 +37,9 @@ KINDS = ("json_object", "json_schema", "regex", "lark")
 FORCED_TOKENS = 16  # the most tokens the grammar adds to a request's tree in a step
 # JSON on one line with Python's separators, {"key": value, "other": value}: no free whitespace, so
 # that keys and punctuation are forced, which the grammar drafts (in process, 8 schemas: 4.95 tokens
-# per step against 2.30 with whitespace as the LLM likes it, bounded to 20 characters a gap; free
-# whitespace unbounded, a small LLM fills the gap before a closing brace with newlines until
-# max_tokens); \u escapes of any character
+# per step against 2.30 with whitespace as the LLM likes it, bounded to 20 characters a gap;
+# bench/results/json_whitespace_cpu.md; unbounded, the fixtures' LLM filled the gap before a closing
+# brace with newlines until max_tokens); \u escapes of any character
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
                 "json_allow_general_unicode_escapes": True}
 
@@ -93,9 +93,10 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, words: int, eos: list[int]):
         self.matcher = matcher
         self.words = words
-        self.stopped = np.zeros(words, dtype=np.int32)  # once the grammar has ended: EOS alone
+        stopped = np.zeros(words, dtype=np.uint32)  # once the grammar has ended: EOS alone
         for t in eos:
-            self.stopped[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            stopped[t >> 5] |= np.uint32(1 << (t & 31))
+        self.stopped = stopped.view(np.int32)
 
     def mask(self) -> np.ndarray:
         """The tokens the current state allows, packed."""

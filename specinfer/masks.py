@@ -34,9 +34,6 @@ class AllowedTokens:
         keep = [index.index(k) for k in range(len(first))]
         return cls(np.ascontiguousarray(rows[keep], dtype=np.int32), index)
 
-    def allows(self, row: int, token: int) -> bool:
-        return bool((int(self.words[self.index[row], token >> 5]) >> (token & 31)) & 1)
-
     def check(self, rows: int, vocab_size: int, field: str) -> None:
         """Raise ValueError naming `field` unless it fits a step of `rows` rows over the vocabulary and
         every mask allows some token (a row with none has no distribution to decide from)."""

@@ -114,13 +114,12 @@ class Verifier:
         items = []
         for req in batch:
             cache = self.caches.get(req.request_id)
-            if cache is None:
+            new = cache is None
+            if new:
                 cache = self.caches[req.request_id] = self.pool.new_cache()
-                cache.tokens.extend(req.new_tokens)
-                if not req.prompt_logprobs:  # its prompt's rows are computed for their logprobs
-                    cache.share_prefix()  # a prompt's leading blocks that live requests already hold
-            else:
-                cache.tokens.extend(req.new_tokens)
+            cache.tokens.extend(req.new_tokens)
+            if new and not req.prompt_logprobs:  # (a prompt whose logprobs are asked computes its rows)
+                cache.share_prefix()  # a prompt's leading blocks that live requests already hold
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))

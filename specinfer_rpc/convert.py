@@ -7,7 +7,7 @@ import torch
 
 from specinfer.grammar import GrammarSpec
 from specinfer.logprobs import TokenLogprob
-from specinfer.masks import AllowedTokens
+from specinfer.masks import AllowedTokens, words_for
 from specinfer.sampling import SamplingParams
 from specinfer.tree import DraftGroup, TokenTree, check_groups
 from specinfer.verifier import Features
@@ -88,7 +88,7 @@ def allowed_to_pb(a: AllowedTokens | None) -> verifier_pb2.AllowedTokens | None:
 def allowed_from_pb(pb: verifier_pb2.AllowedTokens, vocab_size: int, field: str) -> AllowedTokens:
     """The masks as the verifier checks them (`AllowedTokens.check`); ValueError naming `field` when
     the bytes are not whole masks."""
-    width = 4 * ((vocab_size + 31) // 32)
+    width = 4 * words_for(vocab_size)
     if not pb.masks or len(pb.masks) % width:
         raise ValueError(f"{field}: {len(pb.masks)} bytes are not whole masks of {width} bytes (vocabulary {vocab_size})")
     words = np.frombuffer(pb.masks, dtype="<i4").astype(np.int32).reshape(-1, width // 4)
