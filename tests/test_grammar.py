@@ -393,7 +393,9 @@ def test_the_grammars_drafts_are_named_in_the_trees_a_client_watches(served, fix
 
     tok = fixture_models[0]
     compact = r'\{"name": "[a-z]{1,12}", "kind": "(red|green|blue)", "id": [0-9]{1,3}, "ok": (true|false)\}'
-    pb = request_pb(Request(tok.encode(heldout_prompts[0]["prompt"]).ids, 64, grammar=GrammarSpec("regex", compact)))
+    # a fixed expansion: every step speculates (the server's adaptive choice depends on this machine's timing)
+    pb = request_pb(Request(tok.encode(heldout_prompts[0]["prompt"]).ids, 64, grammar=GrammarSpec("regex", compact)),
+                    "2,1")
     pb.return_draft_trees = True
 
     async def watch():
