@@ -15,6 +15,7 @@ request. The caller's `Authorization` header is passed to the manager as is.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import time
@@ -110,10 +111,12 @@ class Tally:
         return len(self.tokens) if self.usage is None or self.silent else self.usage.completion_tokens
 
 
-def usage_json(tallies: list[Tally], prompt_tokens: int) -> dict:
-    """OpenAI's usage over all choices (each prompt counted once), plus the speculation figures. A
-    stream cut by a stop string has no usage from the manager; its figures then come from the steps
-    seen (each step's tokens are its accepted drafts plus one of the LLM's own)."""
+def usage_json(choices: list[Choice], prompt_tokens: int) -> dict:
+    """OpenAI's usage over all choices (each prompt counted once), plus the speculation figures. A stream cut by a stop string has no usage from the manager;
+    its figures then come from the steps seen (each step's tokens are its accepted drafts plus one of
+    the LLM's own), and its prompt counts no cached tokens. A prompt's cached tokens are those none of
+    its choices computed (the verifier's prefix cache held them)."""
+    tallies = [c.tally for c in choices]
     completion = sum(t.completion_tokens() for t in tallies)
     steps = sum(t.usage.verifier_steps if t.usage is not None else t.steps for t in tallies)
     accepted = sum(t.usage.accepted_draft_tokens if t.usage is not None else len(t.tokens) - t.steps for t in tallies)
@@ -123,8 +126,11 @@ def usage_json(tallies: list[Tally], prompt_tokens: int) -> dict:
     if all(t.usage is not None for t in tallies):
         spec["tree_steps"] = sum(t.usage.tree_steps for t in tallies)
         spec["no_tree_reason"] = next((t.usage.no_tree_reason for t in tallies if t.usage.no_tree_reason), "")
+    cached = sum(min(c.tally.usage.cached_tokens if c.tally.usage is not None else 0 for c in same)
+                 for _, same in itertools.groupby(choices, key=lambda c: id(c.prompt)))  # a prompt's choices
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "speculation": spec}
+            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached},
+            "speculation": spec}
 
 
 @dataclass
@@ -211,6 +217,7 @@ class Gateway:
                                                        top_p=body.top_p, seed=seed),
                     stopping=generation_pb2.StoppingCriteria(max_new_tokens=1 if silent else body.max_tokens or 0,
                                                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos),
+                    priority=body.priority,
                     speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees,
                     return_logprobs=body.wants_logprobs and not silent, top_logprobs=body.top,
                     return_prompt_logprobs=body.echo and body.wants_logprobs,
@@ -287,7 +294,7 @@ class Gateway:
                 else:
                     yield sse(item)
             if include_usage:
-                yield sse(reply.usage_chunk(usage_json([c.tally for c in choices], prompt_tokens)))
+                yield sse(reply.usage_chunk(usage_json(choices, prompt_tokens)))
         finally:
             for p in pumps:
                 p.cancel()
@@ -316,7 +323,7 @@ class Gateway:
             outputs = work.result()
         except grpc.aio.AioRpcError as e:
             raise ApiError.from_grpc(e.code().name, e.details() or "") from None
-        return JSONResponse(reply.whole(choices, outputs, usage_json([c.tally for c in choices], prompt_tokens)))
+        return JSONResponse(reply.whole(choices, outputs, usage_json(choices, prompt_tokens)))
 
 
 class CallStream(StreamingResponse):

@@ -11,8 +11,11 @@ naming `response_format`.
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
 `best_of`, `suffix`, penalties, `logit_bias`, tools. They are accepted at their
 neutral values (`best_of: 1`, `presence_penalty: 0`, ...), which some clients always send.
-Extensions: `top_k`, `ignore_eos`, `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1];
-unset: the server's default) and `return_draft_trees` (each streamed step carries its draft tree).
+Extensions: `top_k`, `ignore_eos`, `priority` (vLLM's: lower values are scheduled first, default 0),
+`speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1]; unset: the server's default) and
+`return_draft_trees` (each streamed step carries its draft tree).
+Chat without `max_tokens` generates to the end of the reply (EOS, a stop) or of the context, as
+OpenAI and vLLM do; completions keep OpenAI's default of 16.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class _Generation(BaseModel):
     # extensions
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
+    priority: int = 0
     speculation: str | list[int] | None = None
     return_draft_trees: bool = False
     n: int = Field(1, ge=1, le=MAX_N)

@@ -68,9 +68,20 @@ class ManagerConfig(ServerConfig):
     max_unread_chunks: int = option(256, "chunks a stream may queue that its client has not read (beyond what gRPC "
                                          "and the socket buffers hold); past it the request is cancelled and the "
                                          "client gets RESOURCE_EXHAUSTED after the queued chunks (0: no cap)")
-    max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration")
-    default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset")
-    max_new_tokens_cap: int = option(1024, "largest max_new_tokens accepted")
+    max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration (a chunked prompt counts its first chunk)")
+    prefill_chunk: int = option(512, "a prompt (or a preempted request's record) longer than this goes to the verifier "
+                                     "in chunks of this many tokens, one a step beside the running requests' steps, "
+                                     "so it does not stall them for its whole prefill (0: whole)")
+    default_max_new_tokens: int = option(0, "max_new_tokens when a request leaves it unset (0: the rest of the "
+                                            "context, as much as the verifier's KV cache can hold beside the prompt)")
+    max_new_tokens_cap: int = option(0, "largest max_new_tokens accepted (0: the rest of the context)")
+    kv_watermark: float = option(0.01, "share of the verifier's KV cache admission leaves free for the running "
+                                       "requests' growth (past it, requests wait; when growth still overflows, the "
+                                       "newest of the lowest priority is preempted and resumes later)")
+    turn_tokens: int = option(32, "fair turns: while requests wait for a full batch, one preempts a running request "
+                                  "of the same priority whose output holds this many tokens more, in whole turns "
+                                  "(so short requests never wait behind long ones for long); 0: only priority "
+                                  "preempts")
     verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
@@ -94,6 +105,10 @@ async def main(cfg: ManagerConfig) -> None:
     validate_expansion(cfg.expansion)
     if not 0 < cfg.kv_cache_share <= 1:
         raise ValueError(f"kv_cache_share: must be in (0, 1], got {cfg.kv_cache_share}")
+    if not 0 <= cfg.kv_watermark < 1:
+        raise ValueError(f"kv_watermark: must be in [0, 1), got {cfg.kv_watermark}")
+    if cfg.turn_tokens < 0:
+        raise ValueError(f"turn_tokens: must be >= 0, got {cfg.turn_tokens}")
     targets = [parse_target(entry) for entry in cfg.speculators]
     credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)  # to the verifier and speculators
     verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.internal_message_bytes, credentials)
@@ -108,10 +123,11 @@ async def main(cfg: ManagerConfig) -> None:
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
                                else None,
-                               lookup, cfg.lookup_tokens, grammars)
+                               lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
-                          kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks)
+                          kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks,
+                          kv_watermark=cfg.kv_watermark, turn_tokens=cfg.turn_tokens)
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,

@@ -64,7 +64,7 @@ class VerifierClient:
                                            sampling=sampling_to_pb(c.sampling), return_features=c.features,
                                            return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
                                            return_prompt_logprobs=c.prompt_logprobs,
-                                           allowed=allowed_to_pb(c.allowed))
+                                           allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only)
                    for c in batch])
         if self.steps is None or self.steps.done():
             await self._connected()
@@ -89,7 +89,8 @@ class VerifierClient:
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
         return ([Verified(list(r.token_ids), r.features if r.HasField("features") else None,
                           r.logprobs if c.logprobs else None,
-                          r.prompt_logprobs if c.prompt_logprobs else None) for c, r in zip(batch, response.results)],
+                          r.prompt_logprobs if c.prompt_logprobs else None, r.cached_tokens)
+                 for c, r in zip(batch, response.results)],
                 response.step_ns)
 
     def _drop(self, steps) -> None:

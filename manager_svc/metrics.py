@@ -28,6 +28,12 @@ E2E = Histogram("specinfer_request_latency_seconds", "from acceptance to the las
 QUEUE = Histogram("specinfer_request_queue_seconds", "from acceptance to admission into the batch",
                   buckets=LATENCY_BUCKETS)
 PROMPT_TOKENS = Counter("specinfer_prompt_tokens", "prompt tokens of admitted requests")
+CACHED_TOKENS = Counter("specinfer_prompt_cached_tokens", "of those, the tokens whose KV entries the verifier's prefix "
+                        "cache held (hit rate = this / specinfer_prompt_tokens)")
+PREEMPTIONS = Counter("specinfer_preemptions", "running requests preempted (state freed, record prefilled again on "
+                      "resuming), by why: memory (the verifier's KV cache), priority, turn (fair turns)", ["why"])
+KV_BLOCKS = Gauge("specinfer_kv_cache_blocks_used", "verifier KV blocks the running requests' next steps can hold "
+                  "(this manager's count: records and largest draft trees)")
 GENERATION_TOKENS = Counter("specinfer_generation_tokens", "tokens streamed to clients")
 FINISHED = Counter("specinfer_requests_finished", "requests ended, by reason (eos, stop, length, cancelled, failed)",
                    ["reason"])

@@ -26,13 +26,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.info = info
 
     def request_from_pb(self, pb: generation_pb2.GenerateRequest) -> tuple[Request, list[int] | None]:
-        """The core request and its expansion (None: the server's); ValueError names a bad field."""
-        stopping = pb.stopping
-        request = Request(list(pb.prompt_token_ids), stopping.max_new_tokens or self.info.default_max_new_tokens,
+        """The core request and its expansion (None: the server's); ValueError names a bad field.
+        max_new_tokens unset: the server's default, else the rest of the context."""
+        stopping, context = pb.stopping, self.info.context_length
+        if not stopping.max_new_tokens and len(pb.prompt_token_ids) >= context:
+            raise ValueError(f"prompt: {len(pb.prompt_token_ids)} tokens leave no room for output in the "
+                             f"context length {context}")
+        request = Request(list(pb.prompt_token_ids),
+                          stopping.max_new_tokens or self.info.default_max_new_tokens
+                          or context - len(pb.prompt_token_ids),
                           sampling_from_pb(pb.sampling), tuple(stopping.stop_token_ids), stopping.ignore_eos,
                           pb.request_id, pb.return_logprobs, pb.return_prompt_logprobs, pb.top_logprobs,
-                          grammar_from_pb(pb.response_format))
-        validate(request, self.info.vocab_size, self.info.context_length, self.info.max_new_tokens_cap)
+                          grammar_from_pb(pb.response_format), pb.priority)
+        validate(request, self.info.vocab_size, context, self.info.max_new_tokens_cap or None)
         mode = pb.speculation.mode
         if mode == generation_pb2.SPECULATION_MODE_OFF:
             return request, []
@@ -49,7 +55,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     @rpc_errors
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
-        seq = self.scheduler.submit(*self.request_from_pb(request), want_trees=request.return_draft_trees)
+        seq = self.scheduler.submit(*self.request_from_pb(request), want_trees=request.return_draft_trees,
+                                    fit_max_new_tokens=not (request.stopping.max_new_tokens
+                                                            or self.info.default_max_new_tokens))
         try:
             while True:
                 event = await seq.events.get()
@@ -76,7 +84,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 prompt_tokens=len(seq.request.prompt), completion_tokens=len(seq.generated),
                 verifier_steps=seq.steps, mean_tokens_per_step=len(seq.generated) / seq.steps,
                 accepted_draft_tokens=sum(seq.accepted), tree_steps=seq.tree_steps,
-                no_tree_reason=reasons[0][0] if reasons else ""))
+                no_tree_reason=reasons[0][0] if reasons else "", cached_tokens=seq.cached_tokens,
+                preemptions=seq.preemptions))
         return response
 
     @rpc_errors

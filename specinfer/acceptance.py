@@ -63,6 +63,7 @@ class Verdict:
     features: "Features | None" = None  # the committed rows' features, for a request that asked (verifier.py)
     logprobs: list | None = None  # of each token (logprobs.TokenLogprob), for a request that asked
     prompt_logprobs: list | None = None  # of the step's new committed tokens but the first, for a request that asked
+    cached_tokens: int = 0  # of a new request's tokens, those whose K/V came from the prefix cache (kv_cache.py)
 
 
 def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[int],

@@ -59,6 +59,7 @@ class Request:
     prompt_logprobs: bool = False  # the prompt's tokens' (all but the first), with the first chunk
     top_logprobs: int = 0  # with each of them, the most likely tokens there
     grammar: GrammarSpec | None = None  # constrained output: what the generated text must match (grammar.py)
+    priority: int = 0  # scheduling: lower values first (the manager's scheduler; vLLM's extension)
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Check:
     prompt_logprobs: bool = False  # return those of new_tokens[1:]
     top_logprobs: int = 0  # with this many alternatives each
     allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (the root's, the tree's)
+    prefill_only: bool = False  # new_tokens are a chunk of a long record: the verifier keeps them, decides nothing
 
 
 @dataclass
@@ -99,6 +101,7 @@ class Verified:
     features: object | None = None  # the committed rows' features (Check.features)
     logprobs: list | None = None  # of each token (Check.logprobs)
     prompt_logprobs: list | None = None  # of new_tokens[1:] (Check.prompt_logprobs)
+    cached_tokens: int = 0  # at a request's first step: of new_tokens, those the verifier's prefix cache held
 
 
 class Drafter(Protocol):
@@ -163,6 +166,8 @@ class Sequence:
     context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
     features: list = field(default_factory=list)  # the verifier's features the feature drafters have not had yet
     constraint: Constraint | None = None  # the grammar's state after the committed tokens (request.grammar)
+    cached_tokens: int = 0  # of its prompt, the tokens whose KV entries the verifier's prefix cache held
+    preemptions: int = 0  # times its state was dropped everywhere to make room, and its record prefilled again
 
     @property
     def id(self) -> str:
@@ -231,9 +236,12 @@ def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]
 class SpeculativeEngine:
     def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
-                 lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None):
+                 lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None,
+                 prefill_chunk: int = 0):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be >= 0, got {prefill_chunk}")
         self.verifier = verifier
         self.drafters = drafters
         self.eos = eos
@@ -243,6 +251,9 @@ class SpeculativeEngine:
         self.lookup = lookup  # context lookup joins the drafters' trees (proposer number len(drafters))
         self.lookup_tokens = lookup_tokens  # 0: as deep as the request's planned tree (what the controller models)
         self.grammars = grammars  # compiles requests' grammars (None: constrained requests are refused)
+        # a record longer than this goes to the verifier in chunks of it, one a step, beside the other
+        # requests' steps, so a long prompt does not stall them for its whole prefill (0: whole)
+        self.prefill_chunk = prefill_chunk
         self.verifier_release: set[str] = set()  # sent with the next verify call
         self.stats = Stats()
 
@@ -277,6 +288,14 @@ class SpeculativeEngine:
         for d in self.drafters:
             d.release(request_id)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Drop a running request's state on the verifier and the drafters (to make room for
+        others); its record stays, and its next step prefills the whole record again."""
+        self.release(seq.id)
+        seq.verifier_has = 0
+        seq.features = []
+        seq.preemptions += 1
+
     async def flush(self) -> None:
         """Deliver pending releases now (when no step is coming to carry them)."""
         if self.verifier_release:
@@ -293,7 +312,10 @@ class SpeculativeEngine:
         """One step of every request in `batch`: each one's chunk, or the error it failed with.
         Requests marked done meanwhile (cancelled) are skipped."""
         start = time.perf_counter()
-        steady = all(s.verifier_has for s in batch)
+        steady = all(s.verifier_has == s.length for s in batch)
+        chunks = {s.id: n for s in batch if (n := self._chunk(s))} if self.prefill_chunk else {}
+        if chunks:  # long records' chunks: drafted for and decided at their last chunk
+            chunked, batch = [s for s in batch if s.id in chunks], [s for s in batch if s.id not in chunks]
         full_trees = self._full_trees(len(batch))
         choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
         trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
@@ -302,7 +324,9 @@ class SpeculativeEngine:
                 for d in self.drafters:
                     d.release(s.id)
         batch = [s for s in batch if not s.done]
-        if not batch:
+        if chunks:
+            chunked = [s for s in chunked if not s.done]
+        if not batch and not chunks:
             return []
         allowed, forced = {}, {}  # constrained requests: each row's allowed tokens, the nodes the grammar drafted
         grammar_start = time.perf_counter()
@@ -323,15 +347,23 @@ class SpeculativeEngine:
                         features and s.id in plans, s.request.logprobs,
                         s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id))
                   for s in batch]
+        if chunks:
+            checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
+                             TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
             verified, step_ns = await self.verifier.verify(checks, release)
         except VerifierLost as e:
-            return self._resync(batch, e)
+            return self._resync(batch + chunked if chunks else batch, e)
         except VerifierUnavailable as e:
             self.verifier_release.update(release)
-            return [(s, e) for s in batch]
+            return [(s, e) for s in (batch + chunked if chunks else batch)]
+        if chunks:
+            for s, v in zip(chunked, verified[len(batch):]):
+                s.verifier_has += chunks[s.id]
+                if not s.steps:
+                    s.cached_tokens += v.cached_tokens
         results = [v.tokens for v in verified]
         # the slowest drafter's own time this iteration (0: none was asked)
         draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0
@@ -359,6 +391,8 @@ class SpeculativeEngine:
                 forced: list[int]) -> Chunk:
         tokens = v.tokens
         s.verifier_has = s.length + len(tokens)
+        if not s.steps:
+            s.cached_tokens += v.cached_tokens
         s.steps += 1
         s.tree_steps += tree is not None
         before = len(s.generated)
@@ -397,6 +431,11 @@ class SpeculativeEngine:
         fits = self.expansion if self.tree_budget is None else fit_expansion(
             self.expansion, self.tree_budget // max(batch_size, 1))
         return [tree_size(fits[:m]) for m in range(1, len(fits) + 1)]
+
+    def _chunk(self, seq: Sequence) -> int:
+        """Tokens of its record the request's step sends without deciding (a chunk of a long record:
+        a prompt, or a preempted request's record); 0: the step sends the rest and decides."""
+        return self.prefill_chunk if seq.length - seq.verifier_has > self.prefill_chunk else 0
 
     @staticmethod
     def _room(seq: Sequence) -> int:

@@ -124,9 +124,10 @@ class LocalVerifier:
         await self.release(release)
         start = time.perf_counter_ns()
         verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features,
-                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs, c.allowed)
+                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs, c.allowed,
+                                                     c.prefill_only)
                                        for c in checks])
-        return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs) for v in verdicts],
+        return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs, v.cached_tokens) for v in verdicts],
                 time.perf_counter_ns() - start)
 
     async def release(self, request_ids: list[str]) -> None:
@@ -139,11 +140,12 @@ class Engine:
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
                  tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, prefill_chunk: int = 0):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
         expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
-        constrained requests' grammars (Request.grammar) for the LLM's tokenizer."""
+        constrained requests' grammars (Request.grammar) for the LLM's tokenizer; prefill_chunk:
+        prompts longer than this are prefilled in chunks of it (engine.py; 0: whole)."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -168,7 +170,7 @@ class Engine:
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
             SpeculationController(lookup=lookup, chain=lookup_tokens) if adaptive else None, lookup,
-            lookup_tokens, grammars)
+            lookup_tokens, grammars, prefill_chunk)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:

@@ -20,10 +20,15 @@ Requests with the same leading tokens share their blocks (n choices of one promp
 many requests repeat): a cache offers its committed full blocks to the pool's prefix index
 (`KVCache.register`), and a new cache takes the blocks that already hold its leading full blocks
 (`KVCache.share_prefix`) instead of computing them. A shared block is only read: a cache writes at
-its slots >= length, past every full committed block. The pool counts each block's holders and
-frees it when the last one gives it back. On the CPU in float32 K/V rows do not depend on the
-other rows of their batch (model.py), so a shared block holds what the cache would have computed
-itself, bit for bit (elsewhere to float rounding, as for a tree's rows).
+its slots >= length, past every full committed block. The pool counts each block's holders. When
+the last one gives an indexed block back, the block stays indexed (`KVPool.cached`, least recently
+used first) for later requests (the next turn of a chat resends the conversation, a preempted
+request resumes), and is evicted only when a step needs a block and none is free: a prefix cache
+across requests, as vLLM's automatic prefix caching and SGLang's radix cache. A request's blocks
+go back last block first, so its deepest blocks are evicted before the ones that lead to them.
+On the CPU in float32 K/V rows do not depend on the other rows of their batch (model.py), so a
+shared block holds what the cache would have computed itself, bit for bit (elsewhere to float
+rounding, as for a tree's rows).
 
 Which earlier slots each new query may attend to (committed tokens causally, tree nodes every
 committed slot plus their own ancestors and themselves) the batch works out from the scratch tree's
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -50,7 +56,10 @@ class CacheFull(RuntimeError):
 
 class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE):
+                 device: torch.device | str = "cpu", tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE,
+                 prefix_cache: bool = True):
+        """prefix_cache: keep indexed blocks no request holds until a step needs them (False: they
+        are freed with their last holder, and only live requests share)."""
         if tokens < block_size:
             raise ValueError(f"kv pool: {tokens} tokens is less than one block of {block_size}")
         self.block_size = block_size
@@ -69,35 +78,59 @@ class KVPool:
         self.prefix: dict[int, int] = {}  # chain hash of a committed full block's tokens and its prefix -> the block
         self.held: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # indexed block -> (its hash, the block
         # before it in its cache (-1: none), its tokens): what a hit is checked against
+        self.prefix_cache = prefix_cache
+        self.cached: OrderedDict[int, None] = OrderedDict()  # indexed blocks no cache holds, least recently used first
+        self.queried_tokens = 0  # prompt tokens looked up in the index
+        self.hit_tokens = 0  # of which found there
 
     @property
     def n_blocks(self) -> int:
         """Blocks requests can hold: the pool's own, less the reserved ones."""
         return self.k.shape[1] - self.reserved
 
+    @property
+    def available(self) -> int:
+        """Blocks a step can take: the free ones and the cached ones (evicted on demand)."""
+        return len(self.free) + len(self.cached)
+
     def reserve(self) -> int:
         """Take one block for good, out of what requests can ever hold."""
         self.check_room(1)
         self.reserved += 1
-        return self.free.pop()
+        return self._take()
+
+    def _take(self) -> int:
+        """A block for a cache to write: a free one, else the least recently used cached one."""
+        if self.free:
+            return self.free.pop()
+        block, _ = self.cached.popitem(last=False)
+        self._unindex(block)
+        return block
+
+    def _unindex(self, block: int) -> None:
+        del self.prefix[self.held.pop(block)[0]]
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block_size)
 
     def check_room(self, blocks: int) -> None:
-        if blocks > len(self.free):
+        if blocks > self.available:
             raise CacheFull(f"kv cache full: a step needs {blocks} more blocks of {self.block_size} tokens, "
-                            f"{len(self.free)} of {self.n_blocks} are free")
+                            f"{self.available} of {self.n_blocks} are free")
 
     def give_back(self, blocks: list[int]) -> None:
-        """A cache lets go of `blocks`; those no other cache holds are free again (and leave the
-        prefix index)."""
+        """A cache lets go of `blocks`; those no other cache holds are free again, or cached if
+        indexed (with the prefix cache on; else they leave the index)."""
         for block in reversed(blocks):
             self.holders[block] -= 1
             if not self.holders[block]:
-                self.free.append(block)
-                if (entry := self.held.pop(block, None)) is not None:
-                    del self.prefix[entry[0]]
+                if block not in self.held:
+                    self.free.append(block)
+                elif self.prefix_cache:
+                    self.cached[block] = None
+                else:
+                    self.free.append(block)
+                    self._unindex(block)
 
     def take_row(self) -> int:
         """A row of `tables` for a new cache."""
@@ -118,7 +151,7 @@ class KVPool:
             self.tables = wider
         table = self.tables[row]
         for i in range(at, end):  # mostly a block or two: one at a time is faster than converting lists
-            table[i] = block = self.free.pop()
+            table[i] = block = self._take()
             self.holders[block] = 1
             blocks.append(block)
 
@@ -127,6 +160,7 @@ class KVPool:
         if len(blocks) >= self.tables.shape[1]:
             self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)], axis=1)
         self.tables[row, len(blocks)] = block
+        self.cached.pop(block, None)
         self.holders[block] += 1
         blocks.append(block)
 
@@ -189,18 +223,23 @@ class KVCache:
         tokens = tuple(self.tokens[self.indexed * bs: (self.indexed + 1) * bs])
         return hash((self.key, tokens)), tokens
 
-    def share_prefix(self) -> None:
-        """A new cache whose tokens are set and none computed: take the indexed blocks that hold its
-        leading full blocks, all but its last token (whose row the step needs); each hit is checked,
-        tokens and the block before, not trusted to the hash."""
+    def share_prefix(self) -> int:
+        """A cache whose computed blocks all came from the index (a new one, or one whose record
+        comes in chunks) and whose next tokens are set: take the indexed blocks that hold its next
+        full blocks, all but its last token (whose row the step needs); each hit is checked, tokens
+        and the block before, not trusted to the hash. Returns the tokens taken."""
         bs, pool = self.pool.block_size, self.pool
+        before = self.length
+        pool.queried_tokens += len(self.tokens) - before
         while (self.indexed + 1) * bs < len(self.tokens):
             key, tokens = self._next_key()
             block = pool.prefix.get(key)
             if block is None or pool.held[block][1:] != (self.blocks[-1] if self.blocks else -1, tokens):
-                return
+                break
             pool.share(self.row, self.blocks, block)
             self.indexed, self.key, self.length = self.indexed + 1, key, self.length + bs
+        pool.hit_tokens += self.length - before
+        return self.length - before
 
     def register(self) -> None:
         """Offer its committed full blocks to later caches with the same leading tokens."""

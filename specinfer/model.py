@@ -391,10 +391,11 @@ class LlamaModel(nn.Module):
             model.lm_head.pack()
         return model.eval().requires_grad_(False)
 
-    def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE) -> KVPool:
+    def new_pool(self, tokens: int = POOL_TOKENS, block_size: int = BLOCK_SIZE, prefix_cache: bool = True) -> KVPool:
         """A KV pool for this model holding `tokens` token slots (rounded down to whole blocks)."""
         c = self.cfg
-        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, tokens, block_size)
+        return KVPool(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, tokens, block_size,
+                      prefix_cache)
 
     @torch.no_grad()
     def forward(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -201,9 +201,10 @@ class PipelineVerifier(Verifier):
     """One rank's verifier: its stage of the model, its shard of every request's KV cache."""
 
     def __init__(self, model: LlamaModel, kv_tokens: int, layout: RankLayout, n_layers: int,
-                 feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES):
+                 feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES, prefix_cache: bool = True):
         """n_layers: the whole LLM's; feature_layers: of the whole LLM (`Verifier`)."""
-        super().__init__(model, kv_tokens, GraphConfig(mode="eager"), feature_bytes=feature_bytes)  # its own forward
+        super().__init__(model, kv_tokens, GraphConfig(mode="eager"), feature_bytes=feature_bytes,
+                         prefix_cache=prefix_cache)  # its own forward
         self.layout = layout
         check_feature_layers(feature_layers, n_layers)
         self.feature_layers = tuple(feature_layers)

@@ -43,6 +43,7 @@ class VerifyRequest:
     prompt_logprobs: bool = False  # return those of new_tokens[1:] (a prompt's, at its prefill)
     top_logprobs: int = 0  # with each of them, the most likely tokens there
     allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (masks.py)
+    prefill_only: bool = False  # a chunk of a long record: keep its K/V, decide nothing (no tokens back)
 
 
 @dataclass
@@ -61,9 +62,11 @@ def check_feature_layers(layers, n_layers: int) -> None:
 
 class Verifier:
     def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
-                 progress: bool = False, feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES):
+                 progress: bool = False, feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES,
+                 prefix_cache: bool = True):
         """feature_layers: the layers whose entering residual stream a request may ask for (`Features`);
-        feature_bytes: the most a step returns of them (see `_attach_features`)."""
+        feature_bytes: the most a step returns of them (see `_attach_features`); prefix_cache: keep
+        finished requests' full blocks for later prompts that start alike (kv_cache.py)."""
         self.model = model
         self.feature_layers = tuple(feature_layers)
         self.feature_bytes = feature_bytes
@@ -72,7 +75,7 @@ class Verifier:
             if model.aux_layers and model.aux_layers != self.feature_layers:
                 raise ValueError(f"feature_layers: the model already keeps the features of layers {model.aux_layers}")
             model.aux_layers = self.feature_layers
-        self.pool = model.new_pool(kv_tokens)
+        self.pool = model.new_pool(kv_tokens, prefix_cache=prefix_cache)
         self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.caches: dict[str, KVCache] = {}
 
@@ -107,26 +110,43 @@ class Verifier:
                 raise ValueError(f"{e} (request {req.request_id})") from None
             if req.allowed is not None:
                 req.allowed.check(1 + len(req.tree), vocab, f"allowed (request {req.request_id})")
+            if req.prefill_only and (len(req.tree) or req.features or req.logprobs or req.prompt_logprobs
+                                     or req.allowed is not None):
+                raise ValueError(f"prefill_only (request {req.request_id}): a chunk decides nothing, so it takes "
+                                 f"no tree, features, logprobs or allowed tokens")
         want_features = any(r.features for r in batch)
         if want_features and not self.feature_layers:
             raise ValueError("features: this verifier keeps no features (started without feature layers)")
         self._check_room(batch)
-        items = []
+        items, cached = [], []
         for req in batch:
             cache = self.caches.get(req.request_id)
             new = cache is None
             if new:
                 cache = self.caches[req.request_id] = self.pool.new_cache()
+            # a record's leading blocks that other requests hold or held, at its first step or a later
+            # chunk of a record whose blocks so far all came from there (a prompt whose logprobs are
+            # asked computes its rows)
+            shares = (new or cache.length == cache.indexed * self.pool.block_size) and len(req.new_tokens) > 1
             cache.tokens.extend(req.new_tokens)
-            if new and not req.prompt_logprobs:  # (a prompt whose logprobs are asked computes its rows)
-                cache.share_prefix()  # a prompt's leading blocks that live requests already hold
+            cached.append(cache.share_prefix() if shares and not req.prompt_logprobs else 0)
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))
         firsts = [it.cache.length for it in items]  # the record position of each item's first row
-        verdicts = self.decide(batch, self.forward(items), row_starts(items))
+        logits, starts = self.forward(items), row_starts(items)
+        if not any(req.prefill_only for req in batch):
+            verdicts = self.decide(batch, logits, starts)
+        else:  # a chunk's verdict is empty: nothing decided, no token pending
+            decided = [i for i, req in enumerate(batch) if not req.prefill_only]
+            verdicts = [Verdict([], []) for _ in batch]
+            for i, v in zip(decided, self.decide([batch[i] for i in decided], logits, [starts[i] for i in decided])
+                            if decided else []):
+                verdicts[i] = v
         if want_features:
             self._attach_features(batch, items, verdicts, firsts)
+        for verdict, n in zip(verdicts, cached):
+            verdict.cached_tokens = n
         caches = [self.caches[req.request_id] for req in batch]
         commit_all(caches, [v.path for v in verdicts])
         for cache, verdict in zip(caches, verdicts):

@@ -175,6 +175,27 @@ def test_chat_uses_the_checkpoints_template_and_a_model_without_one_gets_400(gw,
     assert e.value.body["param"] == "messages" and "chat template" in e.value.body["message"]
 
 
+def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, tokenizer):
+    """The second turn sends the whole conversation again: the verifier's prefix cache holds every
+    full block of the first turn's prompt (reported as cached tokens), and the reply is still the
+    LLM's own; `priority` is accepted."""
+    c = client(gw["strict"], "sesame")
+    messages = [{"role": "system", "content": "You answer in Python, tersely, for the prefix cache test."},
+                {"role": "user", "content": "def fibonacci(n):"}]
+    first = c.chat.completions.create(model="llm", messages=messages, max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True, "priority": -1})
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And def factorial(n):"}]
+    prompt = "".join(f"### {m['role']}:\n{m['content']}\n" for m in messages) + "### assistant:\n"
+    ids = tokenizer(prompt)["input_ids"]
+    want, _ = reference_text(tokenizer, ids, 12, ignore_eos=True)
+    second = c.chat.completions.create(model="llm", messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert second.choices[0].message.content == want and second.usage.prompt_tokens == len(ids)
+    # (the first prompt's last token may be tokenized otherwise once the reply follows it)
+    assert second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 1) // 16 * 16 >= 32
+
+
 @pytest.mark.parametrize("params, field", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 100000}, "max_tokens"),
     ({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"max_tokens": 0}, "max_tokens"),

@@ -69,6 +69,30 @@ def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, ex
         assert sum(map(sum, (g.accepted for g in gens))) > 0, "no draft token was ever accepted"
 
 
+def test_prompts_prefilled_in_chunks_give_the_same_output_and_no_step_takes_more_than_a_chunk(shipped, reference):
+    """Chunked prefill: a prompt longer than the chunk reaches the verifier a chunk a step, beside
+    the other requests' steps, and the output is the LLM's own."""
+    _, _, llm, ssms = shipped
+    prompts, want = reference
+    chunk = 16
+    assert max(map(len, prompts)) > 2 * chunk
+    engine = Engine(llm, ssms, Mode.TREE, [2, 1, 1], prefill_chunk=chunk)
+    rows, forward = [], engine.verifier.forward
+    engine.verifier.forward = lambda items: rows.extend(len(it.new_tokens) for it in items) or forward(items)
+    gens = engine.generate([Request(p, NEW_TOKENS) for p in prompts])
+    assert [g.token_ids for g in gens] == want
+    assert max(rows) == chunk and sum(map(sum, (g.accepted for g in gens))) > 0
+
+
+def test_a_chunk_decides_nothing_and_takes_no_tree(shipped):
+    llm = shipped[2]
+    verifier = Verifier(llm)
+    assert verifier.step([VerifyRequest("a", list(range(5, 40)), prefill_only=True)])[0].tokens == []
+    assert verifier.caches["a"].length == 35 and not verifier.caches["a"].pending
+    with pytest.raises(ValueError, match="^prefill_only"):
+        verifier.step([VerifyRequest("a", [7], TokenTree([3], [-1]), prefill_only=True)])
+
+
 def test_context_lookup_chain_reaches_past_the_expansion_and_stops_at_its_length(shipped, reference):
     """Context lookup's chain has its own length: with a one-level SSM tree, steps accept more than
     one draft token (only the chain goes deeper), never more than `lookup_tokens`, and the output

@@ -108,7 +108,7 @@ def test_full_pool_refuses_a_step_and_changes_nothing(llm):
                        VerifyRequest("b", [1, 2, 3])])
     assert verifier.pool.free == free and verifier.caches["a"].tokens == record and "b" not in verifier.caches
     verifier.release("a")
-    assert len(verifier.pool.free) == 4
+    assert verifier.pool.available == 4 and len(verifier.pool.cached) == 2  # a's two full blocks stay cached
     verifier.step([VerifyRequest("b", [1, 2, 3])])
 
 
@@ -152,7 +152,45 @@ def test_a_prompt_live_requests_hold_is_taken_from_their_blocks_not_computed_aga
     assert rows[0] == [8]
     for rid in ("b", "c", "e"):
         verifier.release(rid)
-    assert len(pool.free) == free and not pool.prefix and not pool.held
+    assert pool.available == free and set(pool.cached) == set(pool.held) == set(pool.prefix.values())
+
+
+def test_a_finished_requests_blocks_serve_later_prompts_until_a_step_needs_them(llm, heldout_ids):
+    """The prefix cache across requests: a released request's full blocks stay indexed, a later
+    prompt that starts alike takes them (reported as cached tokens) and decodes exactly what it
+    would have alone; they are evicted only when a step finds no free block, least recently used
+    first and a request's deepest block before the ones that lead to it; off, nothing is kept."""
+    prompt = heldout_ids[0][:40]  # two full blocks, then 8 tokens
+    alone = greedy_steps(Verifier(llm, prefix_cache=False), "x", prompt, 6, [])
+    verifier = Verifier(llm)
+    rows = []
+    assert greedy_steps(verifier, "a", prompt, 6, rows) == alone
+    verifier.release("a")
+    rows.clear()
+    assert greedy_steps(verifier, "b", prompt, 6, rows) == alone  # what it would have computed, bit for bit
+    assert rows[0] == [8] and verifier.pool.hit_tokens == 32 and verifier.pool.queried_tokens == 80
+    verifier.release("b")
+    assert verifier.step([VerifyRequest("c", prompt)])[0].cached_tokens == 32
+
+    verifier = Verifier(llm, kv_tokens=8 * 16)
+    pool = verifier.pool
+    verifier.step([VerifyRequest("c", prompt)])  # 40 slots: three blocks, two of them full
+    leading, second = verifier.caches["c"].blocks[:2]
+    verifier.release("c")
+    assert list(pool.cached) == [second, leading] and len(pool.free) == 6  # given back last block first
+    other = (heldout_ids[1] + heldout_ids[2] + heldout_ids[3])[: 6 * 16 + 8]
+    assert len(other) == 6 * 16 + 8
+    verifier.step([VerifyRequest("d", other)])  # 7 blocks: the 6 free, 1 evicted
+    assert list(pool.cached) == [leading] and second not in pool.held
+    verifier.release("d")
+    assert verifier.step([VerifyRequest("e", prompt)])[0].cached_tokens == 16  # its first block is still there
+    verifier.release("e")
+    assert pool.available == 8
+
+    off = Verifier(llm, prefix_cache=False)
+    off.step([VerifyRequest("a", prompt)])
+    off.release("a")
+    assert not off.pool.cached and not off.pool.prefix and off.step([VerifyRequest("b", prompt)])[0].cached_tokens == 0
 
 
 def test_a_hash_hit_whose_tokens_differ_is_not_shared(llm, heldout_ids):
@@ -189,10 +227,12 @@ def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, 
     assert len(engine.verifier.pool.free) == engine.verifier.pool.n_blocks
 
 
-def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
-    """A verifier with a small pool: the manager runs only as many requests as their reservations
-    fit, the rest wait (none fails) and every output is exact; one that could never fit is
-    refused with INVALID_ARGUMENT naming max_new_tokens."""
+def test_manager_takes_blocks_on_demand_preempts_when_the_pool_overflows_and_stays_exact(heldout_ids):
+    """A verifier with a small pool: the manager admits requests by the blocks they hold now, so it
+    runs more at once than reserving prompt + max_new_tokens would allow; when their growth
+    overflows the pool it preempts, and the preempted requests resume, their outputs exact, their
+    recompute served by the prefix cache; every block is back afterwards. A request that could
+    never fit is refused with INVALID_ARGUMENT naming max_new_tokens."""
     prompts, new = heldout_ids[:6], 100
     defaults = ManagerConfig()
     tree = min(tree_size(defaults.expansion), defaults.tree_budget) * 3  # each of two speculators and context lookup
@@ -201,9 +241,6 @@ def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
     system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0,
                     verifier_args=["--kv-cache-tokens", str(kv)])
     try:
-        with grpc.insecure_channel(system.by_name("verifier").address) as channel:
-            info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
-        assert info.kv_cache_tokens == kv and info.kv_block_size == 16
         result = {}
         worker = threading.Thread(target=lambda: result.update(
             streams=generate_all(system.manager.address, [Request(p, new) for p in prompts])))
@@ -212,8 +249,14 @@ def test_manager_admits_within_the_verifiers_kv_cache(heldout_ids):
         while worker.is_alive():
             most = max(most, active_requests(system)["verifier"])
             time.sleep(0.05)
-        assert [s.token_ids for s in result["streams"]] == reference_greedy(prompts, new)
-        assert most <= kv // min(needs)
+        streams = result["streams"]
+        assert [s.token_ids for s in streams] == reference_greedy(prompts, new)
+        assert most > kv // min(needs)
+        assert sum(s.usage.preemptions for s in streams) > 0
+        with grpc.insecure_channel(system.by_name("verifier").address) as channel:
+            info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+        assert info.kv_cache_tokens == kv and info.kv_block_size == 16
+        assert info.active_requests == 0 and info.kv_cache_free_tokens == kv and info.kv_cache_cached_tokens > 0
         with pytest.raises(grpc.RpcError) as e:
             generate_all(system.manager.address, [Request(prompts[0], kv)])
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_new_tokens:")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from manager_svc.scheduler import Scheduler, SlowReader
+import pytest
+
+from manager_svc.scheduler import Scheduler, SlowReader, Stream
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
 from specinfer.engine import Request, SpeculativeEngine, Verified
 from specinfer.tree import TokenTree
@@ -47,6 +49,10 @@ class Verifier:
             self.records[c.request_id] = record + out
             results.append(Verified(out))
         return results, 1_000_000
+
+    async def release(self, request_ids):
+        for rid in request_ids:
+            self.records.pop(rid, None)
 
 
 class Speculator:
@@ -159,7 +165,7 @@ def test_a_stream_left_unread_past_the_cap_gets_its_chunks_then_resource_exhaust
     assert [len(e.tokens) for e in events[:3]] == [1, 1, 1] and isinstance(events[3], SlowReader)
     assert len(events) == 4 and "3 chunks unread" in str(events[3])
     # released on the verifier with the next step (the read stream's), not held while unread
-    assert slow.done and slow.kv_reserved == 0 and slow.id not in verifier.records and read.id in verifier.records
+    assert slow.done and slow.id not in scheduler.running and slow.id not in verifier.records and read.id in verifier.records
     assert got == reference(PROMPTS[1], 10) and read.finish_reason == "length"
 
 
@@ -185,3 +191,102 @@ def test_prompts_that_start_alike_wait_one_step_for_the_first_ones_prefill():
     asyncio.run(go())
     assert admitted[:2] == [[0], [1, 2, 3, 4]]  # FIFO: the second waits, and those behind it with it
     assert [s.generated for s in seqs] == [reference(s.request.prompt, 3) for s in seqs]
+
+
+class PoolVerifier(Verifier):
+    """The stand-in with a KV pool of `blocks` blocks of `block_size` slots: a step whose requests'
+    records and trees need more fails the test (the real verifier would refuse it, CacheFull)."""
+
+    def __init__(self, blocks: int, block_size: int):
+        super().__init__()
+        self.blocks, self.block_size, self.most = blocks, block_size, 0
+
+    async def verify(self, checks, release):
+        for rid in release:
+            self.records.pop(rid, None)
+        slots = {rid: len(r) for rid, r in self.records.items()}
+        slots.update((c.request_id, c.record_length + len(c.tree)) for c in checks)
+        need = sum(-(-n // self.block_size) for n in slots.values())
+        assert need <= self.blocks, f"a step needs {need} blocks of {self.blocks}"
+        self.most = max(self.most, len(checks))
+        return await super().verify(checks, [])
+
+
+def serve_all(scheduler: Scheduler, submit_later=()) -> dict[str, int]:
+    """Run the scheduler until every request is done; `submit_later`: (iteration, submit) pairs,
+    each called before that iteration. Returns the iteration each request ended in."""
+    later, ended = dict(submit_later), {}
+
+    async def go():
+        i = 0
+        while scheduler.running or scheduler.waiting or later:
+            if i in later:
+                later.pop(i)()
+            running = list(scheduler.running.values())
+            await scheduler.iteration()
+            ended.update((s.id, i) for s in running if s.done)
+            i += 1
+        await scheduler.engine.flush()
+
+    asyncio.run(go())
+    return ended
+
+
+def pooled(blocks: int, max_batch: int, turn_tokens: int = 0, speculate: bool = True):
+    verifier = PoolVerifier(blocks, 8)
+    engine = SpeculativeEngine(verifier, [Speculator()] if speculate else [], eos=set(),
+                               expansion=[1, 1] if speculate else [], tree_budget=None, controller=None,
+                               lookup=speculate, lookup_tokens=2)
+    return verifier, Scheduler(engine, max_batch=max_batch, max_queue=64, max_prefill_tokens=4096,
+                               kv_tokens=blocks * 8, kv_block_size=8, kv_watermark=0.0, turn_tokens=turn_tokens)
+
+
+def test_blocks_on_demand_run_more_requests_than_reservations_and_preemption_keeps_outputs_exact():
+    """Requests take verifier KV blocks as they grow: 12 requests that could each reach 9 blocks run
+    8 at a time on a pool of 40 blocks (reserving max_new_tokens up front would run 4); when their
+    growth overflows the pool the newest is preempted, resumes from its record, and every output is
+    exactly the LLM's; no step ever needs more blocks than the pool has, and every request's state
+    is released at the end."""
+    verifier, scheduler = pooled(blocks=40, max_batch=8)
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(1, 120, 10)]
+    seqs = [scheduler.submit(Request(p, 60), None) for p in prompts]
+    serve_all(scheduler)
+    assert [s.generated for s in seqs] == [reference(p, 60) for p in prompts]
+    assert verifier.most == 8 > 40 // -(-(7 + 60 + scheduler.engine.max_tree(seqs[0])) // 8)
+    assert sum(s.preemptions for s in seqs) > 0 and all(s.finish_reason == "length" for s in seqs)
+    assert not verifier.records and not scheduler.running and not scheduler.waiting
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_or_fitted_when_unset():
+    _, scheduler = pooled(blocks=10, max_batch=8)
+    tree = scheduler.engine.max_tree(Stream(Request([1] * 7, 1), None))
+    with pytest.raises(ValueError, match="^max_new_tokens:"):
+        scheduler.submit(Request([1] * 7, 80 - 7 - tree + 1), None)
+    fitted = scheduler.submit(Request([1] * 7, 1000), None, fit_max_new_tokens=True)
+    assert fitted.request.max_new_tokens == 80 - 7 - tree
+
+
+def test_a_short_request_takes_a_turn_from_long_ones_and_priority_goes_first():
+    """A full batch of two long requests: with fair turns, a short request that arrives takes the
+    place of the long one that has had the most, finishes, and the long one resumes where it was;
+    without, it waits for a long one to end, unless it has a better (lower) priority; every output
+    is exact."""
+    longs = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15, 16]]
+    short = [20, 21, 22, 23, 24, 25, 26]
+
+    def short_ends(turn_tokens: int, priority: int = 0) -> tuple[int, int]:
+        """The iteration the short request ended in after arriving at iteration 10, and the longs'
+        preemptions."""
+        _, scheduler = pooled(blocks=100, max_batch=2, turn_tokens=turn_tokens, speculate=False)
+        seqs = [scheduler.submit(Request(p, 40), None) for p in longs]
+        late = []
+        ended = serve_all(scheduler, [(10, lambda: late.append(
+            scheduler.submit(Request(short, 4, priority=priority), None)))])
+        assert [s.generated for s in seqs] == [reference(p, 40) for p in longs]
+        assert late[0].generated == reference(short, 4)
+        return ended[late[0].id], sum(s.preemptions for s in seqs)
+
+    assert short_ends(turn_tokens=0) == (40 + 3, 0)  # behind the longs' 40 steps (one token each)
+    assert short_ends(turn_tokens=8) == (10 + 3, 1)  # at once: its 4 tokens in 4 steps
+    assert short_ends(turn_tokens=0, priority=-1) == (10 + 3, 1)
+    assert short_ends(turn_tokens=0, priority=1) == (40 + 3, 0)

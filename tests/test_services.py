@@ -164,7 +164,9 @@ EDGE_REQUESTS = {  # name: (GenerateRequest fields, the field an INVALID_ARGUMEN
                                          stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
     "one token over it": (dict(prompt_token_ids=[11] * CONTEXT,
                                stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), "max_new_tokens"),
-    "max_new_tokens 0 (unset: the default)": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=0)), None),
+    "max_new_tokens 0 (unset: the rest of the context)": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=0)),
+                                                           None),
+    "max_new_tokens unset, prompt filling the context": (dict(prompt_token_ids=[11] * CONTEXT), "prompt"),
     "max_new_tokens 1": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
     "empty prompt": (dict(prompt_token_ids=[]), "prompt"),
     "temperature 1e-6": (dict(sampling=common_pb2.SamplingParams(temperature=1e-6, seed=1)), None),
@@ -191,7 +193,7 @@ def test_edge_requests_get_a_result_or_invalid_argument_naming_the_field(system,
     messages = asyncio.run(go())
     tokens = [t for m in messages for t in m.token_ids]
     assert messages[-1].finish_reason and messages[-1].usage.completion_tokens == len(tokens) >= 1
-    want = request.stopping.max_new_tokens or ManagerConfig().default_max_new_tokens
+    want = request.stopping.max_new_tokens or CONTEXT - len(request.prompt_token_ids)
     assert len(tokens) == want or messages[-1].finish_reason != generation_pb2.FINISH_REASON_LENGTH
     if request.sampling.temperature == 1e-6:  # a near-zero temperature samples the argmax
         assert tokens == reference_greedy([list(request.prompt_token_ids)], want)[0][:len(tokens)]

@@ -36,6 +36,9 @@ class VerifierConfig(ModelServerConfig):
                                            "a feature speculator drafts for (an EAGLE-3 head's; empty: none)")
     feature_bytes: int = option(FEATURE_BYTES, "features a step returns at most (beyond it, a prompt's oldest rows "
                                                "are left out; keep it under the manager's --max-message-bytes)")
+    prefix_cache: bool = option(True, "keep finished requests' full KV blocks, least recently used evicted first when "
+                                      "a step needs room, for later prompts that start alike (a chat's next turn, a "
+                                      "shared system prompt, a preempted request resuming); off: only live requests share")
 
 
 def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
@@ -43,12 +46,13 @@ def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.tp * cfg.pp > 1:
         verifier = ParallelVerifier(cfg.model, cfg.tp, cfg.pp, dtype, device, cfg.kv_cache_tokens, cfg.threads,
-                                    cfg.dist_timeout, tuple(cfg.feature_layers), cfg.feature_bytes)
+                                    cfg.dist_timeout, tuple(cfg.feature_layers), cfg.feature_bytes, cfg.prefix_cache)
         print(f"verifier: tp {cfg.tp} x pp {cfg.pp}, ranks 1.. are pids {verifier.pids()}", flush=True)
     else:
         model = LlamaModel.from_pretrained(cfg.model, dtype=dtype, device=device)
         verifier = Verifier(model, cfg.kv_cache_tokens, cfg.graphs(), progress=True,
-                            feature_layers=tuple(cfg.feature_layers), feature_bytes=cfg.feature_bytes)
+                            feature_layers=tuple(cfg.feature_layers), feature_bytes=cfg.feature_bytes,
+                            prefix_cache=cfg.prefix_cache)
         print(f"verifier: {verifier.run.describe()}", flush=True)
     return verifier
 

@@ -29,7 +29,12 @@ STEP_SECONDS = Histogram("specinfer_verifier_step_seconds", "one batched verify 
 STEP_TOKENS = Histogram("specinfer_verifier_step_tokens", "tokens through the LLM in one step (new tokens + tree nodes)",
                         buckets=SIZE_BUCKETS + (512, 1024, 2048, 4096, 8192))
 REQUESTS = Gauge("specinfer_verifier_requests", "requests with a KV cache here")
-KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool")
+KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool (the prefix "
+                "cache's included: evicted when a step needs them)")
+KV_CACHED = Gauge("specinfer_kv_cache_cached_tokens", "token slots the prefix cache holds (finished requests' full blocks)")
+PREFIX_QUERIED = Gauge("specinfer_prefix_cache_queried_tokens", "new requests' tokens looked up in the prefix index "
+                       "(hit rate = specinfer_prefix_cache_hit_tokens / this)")
+PREFIX_HITS = Gauge("specinfer_prefix_cache_hit_tokens", "of those, the tokens whose KV entries were found there")
 KV_TOTAL = Gauge("specinfer_kv_cache_tokens", "token slots in the paged KV cache pool")
 
 
@@ -42,7 +47,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.thread = thread  # the one thread that touches the model and the caches
         pool = verifier.pool
         REQUESTS.set_function(lambda: len(self.verifier.caches))
-        KV_FREE.set_function(lambda: len(pool.free) * pool.block_size)
+        KV_FREE.set_function(lambda: pool.available * pool.block_size)
+        KV_CACHED.set_function(lambda: len(pool.cached) * pool.block_size)
+        PREFIX_QUERIED.set_function(lambda: pool.queried_tokens)
+        PREFIX_HITS.set_function(lambda: pool.hit_tokens)
         KV_TOTAL.set(pool.n_blocks * pool.block_size)
 
     async def _on_worker(self, fn, *args):
@@ -67,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                sampling_from_pb(item.sampling), item.return_features,
                                item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
                                allowed_from_pb(item.allowed, vocab, f"allowed (request {item.request_id})")
-                               if item.HasField("allowed") else None)
+                               if item.HasField("allowed") else None, item.prefill_only)
                  for item in request.items]
         for req in batch:
             req.sampling.validate()
@@ -84,7 +92,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens,
                                                features=features_to_pb(v.features) if v.features else None,
                                                logprobs=logprobs_to_pb(v.logprobs or []),
-                                               prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []))
+                                               prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []),
+                                               cached_tokens=v.cached_tokens)
                      for r, v in zip(batch, verdicts)],
             step_ns=step_ns)
 
@@ -120,6 +129,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          eos_token_ids=cfg.eos_token_ids,
                                          active_requests=len(self.verifier.caches),
                                          kv_cache_tokens=pool.n_blocks * pool.block_size,
-                                         kv_cache_free_tokens=len(pool.free) * pool.block_size,
+                                         kv_cache_free_tokens=pool.available * pool.block_size,
+                                         kv_cache_cached_tokens=len(pool.cached) * pool.block_size,
                                          kv_block_size=pool.block_size,
                                          feature_layers=self.verifier.feature_layers)

@@ -38,7 +38,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def _build(layout: RankLayout, init_method: str, timeout_s: float, model_dir: str, dtype: torch.dtype,
            device: torch.device, kv_tokens: int, threads: int, feature_layers: tuple[int, ...] = (),
-           feature_bytes: int = FEATURE_BYTES) -> PipelineVerifier:
+           feature_bytes: int = FEATURE_BYTES, prefix_cache: bool = True) -> PipelineVerifier:
     if threads:
         torch.set_num_threads(threads)
     device = rank_device(device, layout.rank)
@@ -46,7 +46,7 @@ def _build(layout: RankLayout, init_method: str, timeout_s: float, model_dir: st
     model = load_stage(model_dir, layout, dtype, device)
     apply_tensor_parallel(model, layout, group)
     return PipelineVerifier(model, kv_tokens, layout, ModelConfig.from_dir(model_dir).num_layers, feature_layers,
-                            feature_bytes)
+                            feature_bytes, prefix_cache)
 
 
 def _worker(layout: RankLayout, conn: multiprocessing.connection.Connection, *build_args) -> None:
@@ -78,7 +78,7 @@ class ParallelVerifier:
 
     def __init__(self, model_dir: str, tp: int, pp: int, dtype: torch.dtype, device: torch.device,
                  kv_tokens: int, threads: int = 0, timeout_s: float = 30.0, feature_layers: tuple[int, ...] = (),
-                 feature_bytes: int = FEATURE_BYTES):
+                 feature_bytes: int = FEATURE_BYTES, prefix_cache: bool = True):
         gpus = torch.cuda.device_count()
         if device.type == "cuda" and device.index is None and gpus < tp * pp:
             raise ValueError(f"--tp {tp} --pp {pp}: {tp * pp} ranks need as many GPUs (NCCL runs one rank per "
@@ -86,7 +86,7 @@ class ParallelVerifier:
         ctx = mp.get_context("spawn")
         check_feature_layers(feature_layers, ModelConfig.from_dir(model_dir).num_layers)  # before any rank starts
         build_args = (f"tcp://127.0.0.1:{_free_port()}", timeout_s, str(model_dir), dtype, device, kv_tokens, threads,
-                      tuple(feature_layers), feature_bytes)
+                      tuple(feature_layers), feature_bytes, prefix_cache)
         self.procs, self.conns = [], []
         for rank in range(1, tp * pp):
             parent, child = ctx.Pipe()

@@ -30,7 +30,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "response_format")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "response_format", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -51,7 +52,8 @@ class GenerateRequest(_message.Message):
     top_logprobs: int
     return_prompt_logprobs: bool
     response_format: ResponseFormat
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_object", "json_schema", "regex", "lark")
@@ -112,7 +114,7 @@ class DraftTreeStep(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., speculators: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "verifier_steps", "mean_tokens_per_step", "accepted_draft_tokens", "tree_steps", "no_tree_reason")
+    __slots__ = ("prompt_tokens", "completion_tokens", "verifier_steps", "mean_tokens_per_step", "accepted_draft_tokens", "tree_steps", "no_tree_reason", "cached_tokens", "preemptions")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,8 @@ class Usage(_message.Message):
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_STEPS_FIELD_NUMBER: _ClassVar[int]
     NO_TREE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     verifier_steps: int
@@ -127,7 +131,9 @@ class Usage(_message.Message):
     accepted_draft_tokens: int
     tree_steps: int
     no_tree_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verifier_steps: _Optional[int] = ..., mean_tokens_per_step: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., tree_steps: _Optional[int] = ..., no_tree_reason: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    preemptions: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verifier_steps: _Optional[int] = ..., mean_tokens_per_step: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., tree_steps: _Optional[int] = ..., no_tree_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

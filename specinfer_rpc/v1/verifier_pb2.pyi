@@ -17,7 +17,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed")
+    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed", "prefill_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class VerifyItem(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     record_length: int
@@ -38,7 +39,8 @@ class VerifyItem(_message.Message):
     top_logprobs: int
     return_prompt_logprobs: bool
     allowed: AllowedTokens
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ...) -> None: ...
+    prefill_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ..., prefill_only: _Optional[bool] = ...) -> None: ...
 
 class AllowedTokens(_message.Message):
     __slots__ = ("masks", "index")
@@ -57,18 +59,20 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., step_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "features", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "features", "logprobs", "prompt_logprobs", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.FeatureRows
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.FeatureRows, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.FeatureRows, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
@@ -85,7 +89,7 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests", "kv_cache_tokens", "kv_cache_free_tokens", "kv_block_size", "feature_layers")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests", "kv_cache_tokens", "kv_cache_free_tokens", "kv_block_size", "feature_layers", "kv_cache_cached_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +99,7 @@ class VerifierInfo(_message.Message):
     KV_CACHE_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -104,4 +109,5 @@ class VerifierInfo(_message.Message):
     kv_cache_free_tokens: int
     kv_block_size: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_cache_cached_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., kv_cache_cached_tokens: _Optional[int] = ...) -> None: ...
