@@ -313,9 +313,11 @@ class SpeculativeEngine:
         Requests marked done meanwhile (cancelled) are skipped."""
         start = time.perf_counter()
         steady = all(s.verifier_has == s.length for s in batch)
+        # long records go in chunks, each sent alone; drafted for and decided at their last chunk
         chunks = {s.id: n for s in batch if (n := self._chunk(s))} if self.prefill_chunk else {}
-        if chunks:  # long records' chunks: drafted for and decided at their last chunk
-            chunked, batch = [s for s in batch if s.id in chunks], [s for s in batch if s.id not in chunks]
+        chunked = [s for s in batch if s.id in chunks] if chunks else []
+        if chunks:
+            batch = [s for s in batch if s.id not in chunks]
         full_trees = self._full_trees(len(batch))
         choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
         trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
@@ -324,9 +326,8 @@ class SpeculativeEngine:
                 for d in self.drafters:
                     d.release(s.id)
         batch = [s for s in batch if not s.done]
-        if chunks:
-            chunked = [s for s in chunked if not s.done]
-        if not batch and not chunks:
+        chunked = [s for s in chunked if not s.done] if chunks else []
+        if not batch and not chunked:
             return []
         allowed, forced = {}, {}  # constrained requests: each row's allowed tokens, the nodes the grammar drafted
         grammar_start = time.perf_counter()
@@ -347,23 +348,21 @@ class SpeculativeEngine:
                         features and s.id in plans, s.request.logprobs,
                         s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id))
                   for s in batch]
-        if chunks:
-            checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
-                             TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
+        checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
+                         TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
         release = sorted(self.verifier_release)
         self.verifier_release.clear()
         try:
             verified, step_ns = await self.verifier.verify(checks, release)
         except VerifierLost as e:
-            return self._resync(batch + chunked if chunks else batch, e)
+            return self._resync(batch + chunked, e)
         except VerifierUnavailable as e:
             self.verifier_release.update(release)
-            return [(s, e) for s in (batch + chunked if chunks else batch)]
-        if chunks:
-            for s, v in zip(chunked, verified[len(batch):]):
-                s.verifier_has += chunks[s.id]
-                if not s.steps:
-                    s.cached_tokens += v.cached_tokens
+            return [(s, e) for s in batch + chunked]
+        for s, v in zip(chunked, verified[len(batch):]):
+            s.verifier_has += chunks[s.id]
+            if not s.steps:
+                s.cached_tokens += v.cached_tokens
         results = [v.tokens for v in verified]
         # the slowest drafter's own time this iteration (0: none was asked)
         draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0

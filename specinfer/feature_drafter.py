@@ -104,13 +104,16 @@ class FeatureSpeculator(Speculator):
         for r in batch:
             known = self.known.setdefault(r.request_id, _Known())
             cache = self.caches.get(r.request_id)
-            if cache is None:
+            new = cache is None
+            if new:
                 cache = self.caches[r.request_id] = self.pool.new_cache()
             known.record += r.new_tokens
             for f in r.features:
                 known.add(f.start, f.rows)
             commit_all([cache], [[]])  # the last tree's K/V go: its rows read the head's own outputs
             cache.tokens.extend(known.record[len(cache.tokens) + 1:])
+            if new:  # blocks an earlier request with the same leading tokens left (their features its own)
+                cache.share_prefix()
             if cache.length == len(cache.tokens):  # nothing new: the root's row is needed again
                 cache.length -= 1
             if r.expansion:  # its pairs are fed now; the root's may be fed again

@@ -85,8 +85,11 @@ class Speculator:
         self.caches: dict[str, KVCache] = {}
 
     def release(self, request_id: str) -> None:
+        """Forget the request; its committed full blocks stay for later requests that start alike
+        (kv_cache.py), indexed now that nothing writes to them again."""
         cache = self.caches.pop(request_id, None)
         if cache is not None:
+            cache.register()
             cache.release()
 
     def _sync(self, batch: list[DraftRequest]) -> list[KVCache]:
@@ -100,9 +103,12 @@ class Speculator:
         caches = []
         for r in batch:
             cache = self.caches.get(r.request_id)
-            if cache is None:
+            new = cache is None
+            if new:
                 cache = self.caches[r.request_id] = self.pool.new_cache()
             cache.tokens.extend(r.new_tokens)
+            if new:
+                cache.share_prefix()  # blocks an earlier request with the same leading tokens left (kv_cache.py)
             caches.append(cache)
         commit_all(caches, [c.matching_path(c.tokens[c.length: -1]) for c in caches])
         for c in caches:

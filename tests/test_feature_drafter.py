@@ -150,6 +150,24 @@ def test_a_draft_depends_on_the_record_and_its_features_not_on_the_caches_histor
     assert (trees[-1].tokens, trees[-1].parents) == (fresh.tokens, fresh.parents) == (again.tokens, again.parents)
 
 
+def test_drafters_take_a_finished_requests_blocks_and_draft_what_a_fresh_one_drafts(fixture_llm, head):
+    """The drafters' prefix cache: a request whose leading tokens a released one had takes its SSM
+    and head K/V blocks (not computed again) and gets the tree a fresh drafter gives."""
+    from specinfer.speculator import Speculator
+
+    record = PROMPTS[0] + list(range(20, 44))
+    feats = record_features(fixture_llm, record)
+    for drafter in (Speculator(fixture_llm), FeatureSpeculator(head)):
+        ask = lambda rid: DraftRequest(rid, record, [2, 2, 1], features=[Features(0, feats)])
+        drafter.draft([ask("a")])
+        drafter.release("a")
+        (tree,) = drafter.draft([ask("b")])
+        (fresh,) = type(drafter)(*((head,) if isinstance(drafter, FeatureSpeculator) else (fixture_llm,))).draft(
+            [ask("b")])
+        assert (tree.tokens, tree.parents) == (fresh.tokens, fresh.parents)
+        assert drafter.pool.hit_tokens >= 16, type(drafter).__name__
+
+
 def test_features_of_the_wrong_width_are_refused_naming_the_field(fixture_llm, head):
     spec = FeatureSpeculator(head)
     with pytest.raises(ValueError, match="features"):

@@ -106,9 +106,10 @@ def test_parallel_features_match_the_single_process(tp, pp):
         torch.testing.assert_close(torch.from_numpy(g), w, atol=LOGITS_ATOL, rtol=0)
 
 
-def system(tp: int, pp: int, heads=()):
+def system(tp: int, pp: int, heads=(), kv_tokens: int = 65536):
     return launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, heads=heads,
-                  verifier_args=["--tp", str(tp), "--pp", str(pp), "--threads", "1", "--device", rank_device(tp * pp)])
+                  verifier_args=["--tp", str(tp), "--pp", str(pp), "--threads", "1", "--device", rank_device(tp * pp),
+                                 "--kv-cache-tokens", str(kv_tokens)])
 
 
 def rank_device(ranks: int) -> str:
@@ -118,14 +119,17 @@ def rank_device(ranks: int) -> str:
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
 def test_parallel_verifier_greedy_outputs_through_the_services(heldout_ids, tp, pp):
+    """On a pool that holds about two of the requests at their longest: they are preempted as they
+    grow, resume with the prefix cache's blocks, and the outputs are the LLM's own."""
     prompts = heldout_ids[:6]
-    s = system(tp, pp)
+    s = system(tp, pp, kv_tokens=2 * max(-(-(len(p) + 32 + 16) // 16) * 16 for p in prompts))
     try:
         streams = generate_all(s.manager.address, [Request(p, 32) for p in prompts], "1,1,3,1")
     finally:
         s.stop()
     want = reference_greedy(prompts, 32)
     assert [x.token_ids for x in streams] == want
+    assert sum(x.usage.preemptions for x in streams) > 0
     assert sum(x.usage.verifier_steps for x in streams) < 0.7 * sum(len(w) for w in want), "trees were verified"
 
 
