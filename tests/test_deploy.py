@@ -150,6 +150,7 @@ def read_image(path: Path) -> Image:
             stage.copies.extend((s, str(PurePosixPath(dest, Path(s).name)) if into_dir else dest) for s in srcs)
         elif name == "RUN":
             stage.runs.append(rest)
+            stage.context_sources.extend(re.findall(r"--mount=type=bind,source=([^,\s]+)", rest))
         elif name == "EXPOSE":
             stage.expose.update(int(p.split("/")[0]) for p in rest.split())
         elif name == "USER":
@@ -278,16 +279,21 @@ def test_each_image_runs_the_module_specinfer_serve_runs_with_settings_its_confi
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_only_the_verifier_image_is_cuda_and_all_pin_the_torch_ci_tests(service, images):
+    """torch is the version CI tests, from the index the build argument TORCH_INDEX names (by default
+    PyTorch's CUDA build for the verifier, its CPU build for the others; empty: docker/wheels), and
+    every pip install goes through docker/pip-install (the build's CA bundle and wheels)."""
     ci_torch = re.search(r"torch==[\w.+]+", (ROOT / ".ci/run").read_text()).group(0)
     image = images[service]
-    installs = [r for r in image.runs if "pip install" in r and "torch" in r]
-    assert installs and all(ci_torch in r for r in installs), (ci_torch, installs)
+    installs = [r for r in image.runs if "pip-install" in r and "torch" in r]
+    assert installs and all(f'pip-install {ci_torch} ${{TORCH_INDEX:+--index-url "$TORCH_INDEX"}}' in r
+                            for r in installs), (ci_torch, installs)
+    assert not [r for r in image.runs if "pip install" in r], "pip install: use docker/pip-install"
     if service == "verifier":
         assert image.base.startswith("nvidia/cuda:")
-        assert all(re.search(r"--index-url \S*/whl/cu\d+", image.expand(r)) for r in installs)
+        assert re.fullmatch(r"https://download.pytorch.org/whl/cu\d+", image.args["TORCH_INDEX"])
     else:
         assert image.base.startswith("python:3.11-slim")
-        assert all("--index-url https://download.pytorch.org/whl/cpu" in r for r in installs)
+        assert image.args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
 
 
 @pytest.mark.parametrize("service", SERVICES)
