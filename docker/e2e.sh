@@ -8,6 +8,7 @@
 #      every container runs its service as PID 1 (SIGTERM reaches it) under UID 10001
 #   6. the prompts through gRPC and the OpenAI client: outputs identical to the reference
 #   7. `docker kill` one speculator replica mid-stream: every stream ends, identical
+#      (the manager's replicas follow: the killed one leaves)
 #   8. scale the speculators to 1 and back to 3 while requests run: the manager's replicas follow
 #   9. `docker stop` the manager during 8 streams: it drains them (exit 0 within its grace), none lost
 #  10. compose down: no container left
@@ -15,9 +16,11 @@
 #
 # Run as root (it may start dockerd and install packages), with the project installed in $PYTHON's
 # environment (the host's reference run and the clients), from anywhere:   bash docker/e2e.sh
+# Exit status: 0 passed, 1 failed, 77 no Docker engine can run here (not root, or dockerd cannot start).
 # Settings (environment): BASE_IMAGE (python:3.11-slim), TORCH_INDEX (the PyTorch CPU index; where it
 # cannot be reached, torch's wheel from $PIP_FIND_LINKS goes into docker/wheels), CA_BUNDLE (the CA bundle
-# the builds trust, /etc/ssl/certs/ca-certificates.crt), PYTHON (python), E2E_WORK (logs; a temporary folder).
+# the builds trust, /etc/ssl/certs/ca-certificates.crt), PYTHON (python), E2E_WORK (logs; a temporary
+# folder), E2E_RESULTS (where the figures go, bench/results/docker_e2e_cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,11 +34,13 @@ TAG=0.1.0
 SERVICES=(verifier speculator manager gateway)
 HOST_PORT=50151 HOST_HTTP_PORT=8100  # `specinfer serve` on the host; compose publishes 50051 and 8000
 WORK=${E2E_WORK:-$(mktemp -d)}
+RESULTS=${E2E_RESULTS:-bench/results/docker_e2e_cpu}
 FIGURES=$WORK/figures.json
 START=$(date +%s)
 
 say() { echo "e2e [$(($(date +%s) - START)) s]: $*" >&2; }
 fail() { say "FAILED: $*"; exit 1; }
+cannot_run() { say "cannot run Docker here: $*"; exit 77; }  # 77: tests/test_docker_e2e.py skips, saying why
 figure() { "$PYTHON" - "$FIGURES" "$1" "$2" <<'EOF'
 import json, os, sys
 path, key, value = sys.argv[1:]
@@ -49,14 +54,17 @@ client() { "$PYTHON" docker/e2e_client.py "$@"; }
 # ------------------------------------------------------------------ 1. the Docker engine
 start_dockerd() {
     docker info >/dev/null 2>&1 && return
-    if ! command -v dockerd >/dev/null; then
+    [ "$(id -u)" = 0 ] || cannot_run "no Docker engine answers, and starting one needs root"
+    if ! command -v dockerd >/dev/null || ! command -v docker >/dev/null; then
+        command -v apt-get >/dev/null || cannot_run "no Docker engine, and no apt-get to install Debian's docker.io"
         say "installing Debian's docker.io"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io >/dev/null
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io; } \
+            >"$WORK/apt.log" 2>&1 || cannot_run "docker.io did not install: $(tail -n 3 "$WORK/apt.log")"
     fi
     say "starting dockerd (log: $WORK/dockerd.log)"
     nohup dockerd >"$WORK/dockerd.log" 2>&1 &
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && return; sleep 1; done
-    fail "dockerd did not start: $(tail -n 5 "$WORK/dockerd.log")"
+    cannot_run "dockerd did not start: $(tail -n 3 "$WORK/dockerd.log")"
 }
 
 # The builds need BuildKit (build secrets, RUN --mount). Docker >= 23 builds with it only through the
@@ -149,15 +157,18 @@ containers() {  # container ids of a compose service (all of them without one)
     docker ps -q --filter label=com.docker.compose.project=specinfer ${1:+--filter "label=com.docker.compose.service=$1"}
 }
 
-check_containers() {  # each service is PID 1 of its container (SIGTERM reaches it), run by UID 10001
-    local c uid cmd
+check_containers() {  # all there and healthy; each service PID 1 of its container (SIGTERM reaches it), UID 10001
+    local c name uid cmd
+    [ "$(containers | wc -l)" = 7 ] || fail "$(containers | wc -l) containers run, not 7: $("${COMPOSE[@]}" ps -a)"
     for c in $(containers); do
-        uid=$(docker exec "$c" sh -c 'stat -c %u /proc/1')
+        name=$(docker inspect -f '{{.Name}}' "$c")
+        [ "$(docker inspect -f '{{.State.Health.Status}}' "$c")" = healthy ] || fail "$name is not healthy"
+        uid=$(docker exec "$c" stat -c %u /proc/1)
         cmd=$(docker exec "$c" sh -c 'tr "\0" " " </proc/1/cmdline')
-        [ "$uid" = 10001 ] || fail "$(docker inspect -f '{{.Name}}' "$c"): PID 1 runs as UID $uid"
-        [[ $cmd == "python -m "*_svc* ]] || fail "$(docker inspect -f '{{.Name}}' "$c"): PID 1 is $cmd"
+        [ "$uid" = 10001 ] || fail "$name: PID 1 runs as UID $uid"
+        [[ $cmd == "python -m "*_svc* ]] || fail "$name: PID 1 is $cmd"
     done
-    say "every container: PID 1 is its service, UID 10001"
+    say "7 containers healthy (verifier, 3 speculators, the head's, manager, gateway); each PID 1 its service, UID 10001"
 }
 
 compose_up() {
@@ -209,7 +220,7 @@ in_containers() {
     say "docker kill $(docker inspect -f '{{.Name}}' "$victim") mid-stream"
     client during --manager 127.0.0.1:50051 --reference "$WORK/host.json" --command "docker kill $victim >/dev/null"
 
-    wait_discovery 3  # the killed replica, restarted (restart: unless-stopped)
+    wait_discovery 2  # a killed container stays down (Docker restarts none it was told to kill)
     say "scaling the speculators to 1 and back to 3 under requests"
     COMPOSE_ARGS="${COMPOSE[*]}" client during --repeat --manager 127.0.0.1:50051 --reference "$WORK/host.json" \
         --command 'COMPOSE=($COMPOSE_ARGS); scale 1 && scale 3'
@@ -243,4 +254,4 @@ trap - EXIT
 say "compose down: no container left"
 figure e2e_s "$(($(date +%s) - START))"
 "$PYTHON" docker/e2e_client.py report --figures "$FIGURES" --host "$WORK/host.json" \
-    --containers "$WORK/containers.json" --out bench/results/docker_e2e_cpu
+    --containers "$WORK/containers.json" --out "$RESULTS"

@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from openai import OpenAI
 
@@ -83,11 +84,17 @@ async def stream_all(address: str, started: asyncio.Event | None = None) -> tupl
 def openai_outputs(base_url: str) -> dict:
     """The gateway's answers to the prompts (completions) and the chats (chat completions), greedy."""
     client = OpenAI(base_url=base_url, api_key="none", timeout=300.0, max_retries=0)
-    completions = [client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
-                   .choices[0].text for p in PROMPTS]
-    chats = [client.chat.completions.create(model=MODEL, messages=m, max_tokens=MAX_TOKENS, temperature=0)
-             .choices[0].message.content for m in CHATS]
-    return {"completions": completions, "chats": chats}
+
+    def completion(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+
+    def chat(messages):
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                              temperature=0).choices[0].message.content
+
+    with ThreadPoolExecutor(len(PROMPTS) + len(CHATS)) as pool:  # all at once, as the gRPC streams
+        completions, chats = pool.map(completion, PROMPTS), pool.map(chat, CHATS)
+        return {"completions": list(completions), "chats": list(chats)}
 
 
 async def first_request(address: str) -> float:
