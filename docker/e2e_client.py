@@ -47,10 +47,11 @@ MAX_TOKENS = 48
 MODEL = "SmolLM2-135M-Instruct"
 
 
-async def stream_all(address: str, started: asyncio.Event | None = None) -> tuple[list[dict], float]:
-    """Every prompt at once through the manager: per prompt its token ids, text and first-chunk time;
-    and the seconds from the first call to the last stream's end. `started` is set once every stream
-    has its first chunk."""
+async def stream_all(address: str, started: asyncio.Event | None = None,
+                     detokenize: bool = False) -> tuple[list[dict], float]:
+    """Every prompt at once through the manager: per prompt its token ids, first-chunk time and (with
+    `detokenize`: calls made after the streams) text; and the seconds from the first call to the last
+    stream's end. `started` is set once every stream has its first chunk."""
     stub = await connect_when_ready(address, wait=120.0)
     ids = await asyncio.gather(*(stub.Tokenize(generation_pb2.TokenizeRequest(text=p), wait_for_ready=True)
                                  for p in PROMPTS))
@@ -74,6 +75,8 @@ async def stream_all(address: str, started: asyncio.Event | None = None) -> tupl
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one(p) for p in ids))
     seconds = time.perf_counter() - t0
+    if not detokenize:
+        return outs, seconds
     texts = await asyncio.gather(*(stub.Detokenize(generation_pb2.DetokenizeRequest(token_ids=o["token_ids"]))
                                    for o in outs))
     for o, t in zip(outs, texts):
@@ -109,7 +112,7 @@ async def first_request(address: str) -> float:
 
 def record(args) -> None:
     latency = asyncio.run(first_request(args.manager))
-    streams, seconds = asyncio.run(stream_all(args.manager))
+    streams, seconds = asyncio.run(stream_all(args.manager, detokenize=True))
     tokens = sum(len(s["token_ids"]) for s in streams)
     result = {"first_request_s": round(latency, 3), "tokens": tokens, "seconds": round(seconds, 3),
               "tokens_per_s": round(tokens / seconds, 2), "max_tokens": MAX_TOKENS, "streams": streams,
