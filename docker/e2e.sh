@@ -257,5 +257,5 @@ compose_down
 trap - EXIT
 say "compose down: no container left"
 figure e2e_s "$(($(date +%s) - START))"
-"$PYTHON" docker/e2e_client.py report --figures "$FIGURES" --host "$WORK/host.json" \
-    --containers "$WORK/containers.json" --out "$RESULTS" --note "${E2E_NOTE:-}"
+client report --figures "$FIGURES" --host "$WORK/host.json" --containers "$WORK/containers.json" \
+    --out "$RESULTS" --note "${E2E_NOTE:-}"
