@@ -212,23 +212,28 @@ def long_prompt(bench: Bench, streams: list[list[int]], long: list[int]) -> dict
                          for p in streams]
                 await asyncio.sleep(8)
                 sent = time.perf_counter()
-                first = await generate(stub, request_pb(Request(long, 4)), 3600)
-                runs = await asyncio.gather(*calls)
-                return first, runs, sent
+                first = await asyncio.gather(generate(stub, request_pb(Request(long, 4)), 3600),
+                                             return_exceptions=True)
+                runs = await asyncio.gather(*calls, return_exceptions=True)
+                return first[0], runs, sent
 
             start = time.perf_counter()
             first, runs, sent = asyncio.run(run())
         finally:
             system.stop()
+        failed = [r for r in [first, *runs] if isinstance(r, Exception)]
+        if failed:  # e.g. a step past the manager's --verify-timeout fails every request in it
+            out[setting] = {"failed": f"{len(failed)} of {1 + len(runs)} requests: {failed[0].code().name}: "
+                                      f"{failed[0].details()}"}
+            continue
         # the streams' chunks' times since their start, against the long request's: their longest
         # wait between two chunks after it was sent
         sent_at = sent - start
         gaps = [max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > sent_at), default=0.0)
                 for r in runs]
+        every = sorted(b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:]))
         out[setting] = {"long_ttft_s": first.chunk_times[0], "streams_longest_gap_s": max(gaps),
-                        "streams_median_gap_s": sorted(g for r in runs for g in
-                                                       (b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])))[
-                            sum(len(r.chunk_times) - 1 for r in runs) // 2]}
+                        "streams_median_gap_s": every[len(every) // 2]}
     return out
 
 
@@ -281,7 +286,9 @@ def markdown(results: dict, meta: dict) -> str:
                   "| prefill | long request's first token (s) | streams' longest wait (s) | streams' median gap (s) |",
                   "| --- | --- | --- | --- |"]
         for k, v in r.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and "failed" in v:
+                lines.append(f"| {k} | failed: {v['failed']} | | |")
+            elif isinstance(v, dict):
                 lines.append(f"| {k} | {v['long_ttft_s']:.2f} | {v['streams_longest_gap_s']:.2f} | "
                              f"{v['streams_median_gap_s']:.3f} |")
         lines.append("")
