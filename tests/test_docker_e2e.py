@@ -3,8 +3,8 @@ images, runs compose with three speculator replicas, kills one mid-stream, scale
 stops the manager during eight streams, and checks every output against `specinfer serve`'s on the host.
 
 Opt-in (`python -m pytest -m docker`): the default run deselects the `docker` marker, because the script
-takes about 20 minutes on 2 cores with fresh Docker storage (base image and builds), which would take CI
-past its 40 minutes (docker/README.md, bench/results/docker_e2e_cpu.md)."""
+took 905 s on 2 cores with fresh Docker storage (base image and builds), which would take CI to about
+its 40-minute bound (docker/README.md, bench/results/docker_e2e_cpu.md)."""
 
 import os
 import subprocess
