@@ -308,6 +308,8 @@ def main() -> None:
     held = read_prompt_file(default_prompts())
     code = [bench.tokenizer(r["prompt"])["input_ids"] for r in held if "prompt" in r]
     chats = [bench.chat(r["messages"]) for r in held if "messages" in r]
+    meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.scheduling", None),
+            "max_new_tokens": args.max_new_tokens}
     results = {}
     for scenario in args.scenarios.split(","):
         if scenario == "multiturn":
@@ -324,13 +326,10 @@ def main() -> None:
             results[scenario] = long_prompt(bench, code[:8], long)
         else:
             raise SystemExit(f"--scenarios: unknown {scenario!r}")
-        print(markdown(results, {"command": "", "machine": "", "max_new_tokens": args.max_new_tokens}), flush=True)
-    meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.scheduling", None),
-            "max_new_tokens": args.max_new_tokens}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, **results}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(results, meta))
-    print(markdown(results, meta))
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # written after each scenario: a run can take hours
+        args.out.with_suffix(".json").write_text(json.dumps({**meta, **results}, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(results, meta))
+        print(markdown(results, meta), flush=True)
 
 
 if __name__ == "__main__":
