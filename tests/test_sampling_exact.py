@@ -48,8 +48,9 @@ class MarkovModel:
         self.logits = P.log()
         self.cfg = SimpleNamespace(vocab_size=P.shape[0], eos_token_ids=(), max_position_embeddings=1 << 20)
 
-    def new_pool(self, tokens: int) -> KVPool:
-        return KVPool(1, 1, 1, torch.float32, tokens=1 << 22)  # one float per slot: room for any test batch
+    def new_pool(self, tokens: int, prefix_cache: bool = True) -> KVPool:
+        # one float per slot: room for any test batch
+        return KVPool(1, 1, 1, torch.float32, tokens=1 << 22, prefix_cache=prefix_cache)
 
     def __call__(self, items, ids=None):
         flat = ids.tolist() if ids is not None else [t for it in items for t in it.new_tokens + it.tree_tokens]
