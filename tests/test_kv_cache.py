@@ -224,7 +224,7 @@ def test_greedy_decoding_through_the_triton_kernel_matches_the_llm(monkeypatch, 
     gens = engine.generate([Request(p, 12) for p in prompts])
     assert [g.token_ids for g in gens] == want
     assert calls and sum(sum(g.accepted) for g in gens) > 0, "the kernel ran and trees were accepted"
-    assert len(engine.verifier.pool.free) == engine.verifier.pool.n_blocks
+    assert engine.verifier.pool.available == engine.verifier.pool.n_blocks  # free, or kept by the prefix cache
 
 
 def test_manager_takes_blocks_on_demand_preempts_when_the_pool_overflows_and_stays_exact(heldout_ids):
