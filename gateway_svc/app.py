@@ -204,7 +204,7 @@ class Gateway:
             raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
                                 f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
         prompts = self.prompt_ids(body)
-        stops, stop_ids, grammar = body.stop_strings(), body.stop_token_ids(), body.grammar()
+        stops, stop_ids, grammar, bias = body.stop_strings(), body.stop_token_ids(), body.grammar(), body.bias()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
         texts = body.prompts() if body.echo else [None] * len(prompts)
@@ -214,7 +214,11 @@ class Gateway:
                 request = generation_pb2.GenerateRequest(
                     prompt_token_ids=prompt,
                     sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k,
-                                                       top_p=body.top_p, seed=seed),
+                                                       top_p=body.top_p, seed=seed,
+                                                       presence_penalty=body.presence_penalty,
+                                                       frequency_penalty=body.frequency_penalty,
+                                                       repetition_penalty=body.repetition_penalty,
+                                                       logit_bias=bias, min_tokens=body.min_tokens),
                     stopping=generation_pb2.StoppingCriteria(max_new_tokens=1 if silent else body.max_tokens or 0,
                                                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos),
                     priority=body.priority,

@@ -8,9 +8,12 @@ j samples with a seed derived from the request's, `choice_seeds`).
 whether `strict` or not), and as extensions `{"type": "regex", "regex": ...}` and
 `{"type": "grammar", "grammar": ...}` (llguidance's Lark syntax); one that does not compile is a 400
 naming `response_format`.
+`presence_penalty`, `frequency_penalty` and `logit_bias` (token ids as strings) as OpenAI defines
+them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under speculation
+(specinfer/penalties.py).
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
-`best_of`, `suffix`, penalties, `logit_bias`, tools. They are accepted at their
-neutral values (`best_of: 1`, `presence_penalty: 0`, ...), which some clients always send.
+`best_of`, `suffix`, tools. They are accepted at their neutral values (`best_of: 1`), which some
+clients always send.
 Extensions: `top_k`, `ignore_eos`, `priority` (vLLM's: lower values are scheduled first, default 0),
 `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1]; unset: the server's default) and
 `return_draft_trees` (each streamed step carries its draft tree).
@@ -115,17 +118,20 @@ class _Generation(BaseModel):
     return_draft_trees: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     response_format: dict[str, Any] | None = None
-    # refused unless neutral
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
+    min_tokens: int = Field(0, ge=0)  # vLLM's
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (the manager checks them against the vocabulary)."""
+        try:
+            return {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ApiError.bad("logit_bias", "keys must be token ids, e.g. {\"50256\": -100}") from None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError.bad(name, "not supported (outputs are exactly the model's distribution)")
-        if self.logit_bias:
-            raise ApiError.bad("logit_bias", "not supported (outputs are exactly the model's distribution)")
         if self.stream_options is not None and not self.stream:
             raise ApiError.bad("stream_options", "only allowed with stream: true")
 

@@ -64,7 +64,8 @@ class VerifierClient:
                                            sampling=sampling_to_pb(c.sampling), return_features=c.features,
                                            return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
                                            return_prompt_logprobs=c.prompt_logprobs,
-                                           allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only)
+                                           allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only,
+                                           output_start=c.output_start, stop_token_ids=c.stop_ids)
                    for c in batch])
         if self.steps is None or self.steps.done():
             await self._connected()

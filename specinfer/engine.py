@@ -89,6 +89,10 @@ class Check:
     top_logprobs: int = 0  # with this many alternatives each
     allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (the root's, the tree's)
     prefill_only: bool = False  # new_tokens are a chunk of a long record: the verifier keeps them, decides nothing
+    # for the sampling's penalties and min_tokens (penalties.py): where the output begins in the record,
+    # and the tokens that would end the request
+    output_start: int = 0
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -346,7 +350,8 @@ class SpeculativeEngine:
         features = self.wants_features
         checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()), s.request.sampling,
                         features and s.id in plans, s.request.logprobs,
-                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id))
+                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id),
+                        output_start=len(s.request.prompt), stop_ids=self._stop_ids(s.request))
                   for s in batch]
         checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
                          TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
@@ -435,6 +440,12 @@ class SpeculativeEngine:
         """Tokens of its record the request's step sends without deciding (a chunk of a long record:
         a prompt, or a preempted request's record); 0: the step sends the rest and decides."""
         return self.prefill_chunk if seq.length - seq.verifier_has > self.prefill_chunk else 0
+
+    def _stop_ids(self, req: Request) -> tuple[int, ...]:
+        """The tokens that would end the request, which its min_tokens holds back (none without one)."""
+        if not req.sampling.min_tokens:
+            return ()
+        return tuple(sorted(set(req.stop_token_ids) | (set() if req.ignore_eos else self.eos)))
 
     @staticmethod
     def _room(seq: Sequence) -> int:

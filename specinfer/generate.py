@@ -67,10 +67,13 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
         raise ValueError("prompt: must not be empty")
     check_token_ids("prompt", req.prompt, vocab_size)
     check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
+    check_token_ids("logit_bias", [t for t, _ in req.sampling.logit_bias], vocab_size)
     if req.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
     if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:
         raise ValueError(f"max_new_tokens: {req.max_new_tokens} is over the server's cap {max_new_tokens_cap}")
+    if req.sampling.min_tokens > req.max_new_tokens:
+        raise ValueError(f"min_tokens: {req.sampling.min_tokens} is over max_new_tokens ({req.max_new_tokens})")
     if len(req.prompt) + req.max_new_tokens > context:
         raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
                          f"({req.max_new_tokens}) exceeds the context length {context}")
@@ -125,7 +128,7 @@ class LocalVerifier:
         start = time.perf_counter_ns()
         verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features,
                                                      c.logprobs, c.prompt_logprobs, c.top_logprobs, c.allowed,
-                                                     c.prefill_only)
+                                                     c.prefill_only, c.output_start, c.stop_ids)
                                        for c in checks])
         return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs, v.cached_tokens) for v in verdicts],
                 time.perf_counter_ns() - start)

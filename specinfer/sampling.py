@@ -44,10 +44,25 @@ class SamplingParams:
     # SSMs and verifies by the paper's multi-step speculative sampling (acceptance.py), whose tokens
     # depend on the trees drafted
     mss: bool = False
+    # what the request has said so far moves its distribution (penalties.py): OpenAI's presence and
+    # frequency penalties over the generated tokens, vLLM's repetition penalty over prompt and output,
+    # OpenAI's logit bias ((token id, bias) pairs, ascending ids) and vLLM's min_tokens (the request
+    # may not end before generating that many)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Its rows' logits depend on the request's own tokens or carry a bias (penalties.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def sampled_drafts(self) -> bool:
@@ -63,6 +78,16 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name}: must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty: must be finite and > 0, got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:

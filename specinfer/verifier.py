@@ -27,6 +27,7 @@ from .tree import TokenTree, check_verifiable
 from .acceptance import Verdict, verify_batch
 from .logprobs import MAX_TOP, token_logprobs
 from .masks import AllowedTokens, apply_masks
+from .penalties import adjust_logits
 
 
 FEATURE_BYTES = 8 << 20  # features a step returns at most: half the services' 16 MiB messages
@@ -44,6 +45,10 @@ class VerifyRequest:
     top_logprobs: int = 0  # with each of them, the most likely tokens there
     allowed: AllowedTokens | None = None  # constrained output: the tokens each row may take (masks.py)
     prefill_only: bool = False  # a chunk of a long record: keep its K/V, decide nothing (no tokens back)
+    # the sampling's penalties and min_tokens (penalties.py): the record position of the first generated
+    # token, and the tokens min_tokens holds back
+    output_start: int = 0
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -102,6 +107,8 @@ class Verifier:
             if not 0 <= req.top_logprobs <= MAX_TOP:
                 raise ValueError(f"top_logprobs (request {req.request_id}): from 0 to {MAX_TOP}, got {req.top_logprobs}")
             check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, vocab)
+            check_token_ids(f"logit_bias (request {req.request_id})", [t for t, _ in req.sampling.logit_bias], vocab)
+            check_token_ids(f"stop_token_ids (request {req.request_id})", req.stop_ids, vocab)
             for g in req.tree.groups:
                 check_token_ids(f"tree (request {req.request_id}): q_token_ids", g.q_ids, vocab)
             try:
@@ -195,6 +202,8 @@ class Verifier:
         masked = [i for i, r in enumerate(batch) if r.allowed is not None]
         apply_masks(logits, [range(roots[i], roots[i] + 1 + len(batch[i].tree)) for i in masked],
                     [batch[i].allowed for i in masked])
+        adjust_logits(logits, roots, [r.tree for r in batch], [self.caches[r.request_id].tokens for r in batch],
+                      [r.output_start for r in batch], [r.sampling for r in batch], [r.stop_ids for r in batch])
         verdicts = verify_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
                                 [len(self.caches[r.request_id].tokens) for r in batch])
         asked = [i for i, r in enumerate(batch) if r.logprobs or r.prompt_logprobs]

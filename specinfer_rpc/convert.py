@@ -16,11 +16,17 @@ from .v1 import common_pb2, generation_pb2, verifier_pb2
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed, pb.mss)
+    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed, pb.mss,
+                          pb.presence_penalty, pb.frequency_penalty,
+                          pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+                          tuple(sorted(pb.logit_bias.items())), pb.min_tokens)
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, mss=s.mss)
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, mss=s.mss,
+                                     presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                     repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias),
+                                     min_tokens=s.min_tokens)
 
 
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:

@@ -4,6 +4,7 @@ speculators, managers, gateways) on the shipped models."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import shutil
 import signal
@@ -133,6 +134,27 @@ def test_a_seed_gives_plain_seeded_samplings_text_whatever_the_speculation_and_n
     assert len(unseeded) > 1, "no seed: a fresh seed per request"
 
 
+def test_penalties_bias_and_min_tokens_give_the_engines_output_whatever_the_speculation(gw, tokenizer,
+                                                                                       heldout_prompts):
+    """Greedy and seeded, through the gateway: the in-process LLM alone with the same parameters."""
+    c = client(gw["url"])
+    ids = tokenizer(heldout_prompts[0]["prompt"])["input_ids"]
+    eos = tokenizer.eos_token_id
+    params = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logit_bias": {str(eos): 3.0, "11": -2.0}}
+    extra = {"repetition_penalty": 1.3, "min_tokens": 10}
+    sampling = SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
+                              logit_bias=((11, -2.0), (eos, 3.0)), min_tokens=10)
+    for temperature, seed in ((0.0, 0), (0.8, 5)):
+        want = seeded_reference(Request(ids, 24, replace(sampling, temperature=temperature, seed=seed)))
+        for speculation in ("off", "2,2,1,1"):
+            chunks = c.completions.create(model="llm", prompt=ids, max_tokens=24, temperature=temperature, seed=seed,
+                                          stream=True, extra_body={**extra, "speculation": speculation}, **params)
+            got = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+            assert got == want, (temperature, speculation)
+    plain = reference_greedy([ids], 24)[0]
+    assert plain != want and eos not in want[:10]
+
+
 def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer, heldout_prompts):
     c = client(gw["url"])
     prompt = heldout_prompts[0]["prompt"]
@@ -200,7 +222,10 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 100000}, "max_tokens"),
     ({"n": 17}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"echo": True, "stream": True, "n": 2}, "echo"), ({"suffix": "x"}, "suffix"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"extra_body": {"speculation": "9,9"}}, "speculation"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"logit_bias": {"the": 1}}, "logit_bias"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"speculation": "9,9"}}, "speculation"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
     ({"prompt": ""}, "prompt")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):

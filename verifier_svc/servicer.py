@@ -75,7 +75,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                sampling_from_pb(item.sampling), item.return_features,
                                item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
                                allowed_from_pb(item.allowed, vocab, f"allowed (request {item.request_id})")
-                               if item.HasField("allowed") else None, item.prefill_only)
+                               if item.HasField("allowed") else None, item.prefill_only, item.output_start,
+                               tuple(item.stop_token_ids))
                  for item in request.items]
         for req in batch:
             req.sampling.validate()
