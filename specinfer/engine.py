@@ -333,12 +333,15 @@ class SpeculativeEngine:
         chunked = [s for s in chunked if not s.done] if chunks else []
         if not batch and not chunked:
             return []
-        allowed, forced = {}, {}  # constrained requests: each row's allowed tokens, the nodes the grammar drafted
+        # constrained requests: each row's allowed tokens, the nodes the grammar drafted. A forced token is
+        # the only one its state allows, so the masked LLM always accepts it: it is drafted whatever the
+        # controller chose (unless the request turned speculation off), one verified row a token
+        allowed, forced = {}, {}
         grammar_start = time.perf_counter()
         for s in batch:
             if s.constraint is not None:
                 tree, allowed[s.id], forced[s.id] = s.constraint.constrain(
-                    trees.pop(s.id, TokenTree()), FORCED_TOKENS if s.id in plans else 0, self._room(s),
+                    trees.pop(s.id, TokenTree()), FORCED_TOKENS if s.expansion != [] else 0, self._room(s),
                     s.request.sampling.sampled_drafts)
                 if len(tree):
                     trees[s.id] = tree

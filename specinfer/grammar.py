@@ -15,7 +15,9 @@ Each step of a constrained request:
   - the grammar drafts: below the root and below each node whose state forces what follows (only
     one continuation is possible: a key, a quote, a brace), the forced tokens, canonically
     tokenized, join the tree as a chain of their own, where the drafters did not already go. Like
-    context lookup's chain these drafts cost no model, only verified rows;
+    context lookup's chain these drafts cost no model, only verified rows, and the masked LLM always
+    accepts them, so they join every step's tree, also where the cost model chose plain decoding
+    (engine.py);
   - each row of the step (the root's, then each node's) gets the packed mask of the tokens its
     state allows (masks.py); the verifier decides over the masked logits, so the output is exactly
     constrained decoding without speculation (`Constraint.constrain`);

@@ -23,6 +23,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from specinfer.controller import PLAIN
 from specinfer.generate import Engine, Mode, Request
 from specinfer.grammar import Grammars, GrammarSpec
 from specinfer.masks import AllowedTokens, words_for
@@ -247,6 +248,19 @@ def test_the_grammars_forced_tokens_are_drafted_and_accepted(fixture_models, hel
     (plain,) = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate([req])
     assert g.token_ids == plain.token_ids
     json.loads(tok.decode(g.token_ids[:-1]))
+    assert sum(g.accepted) >= 8 and g.steps < plain.steps
+
+
+def test_the_grammars_forced_tokens_are_drafted_when_the_controller_decodes_plainly(fixture_models, heldout_prompts):
+    """The cost model chooses plain decoding at every step: the forced tokens still go in the tree."""
+    tok, llm, ssms, grammars = fixture_models
+    req = Request(tok.encode(heldout_prompts[1]["prompt"]).ids, 64, id="r",
+                  grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS["nested"])))
+    engine = Engine(llm, ssms, Mode.TREE, [2, 1, 1], lookup=True, adaptive=True, grammars=grammars)
+    engine.engine.controller.choose = lambda batch_size, full_trees: PLAIN
+    (g,) = engine.generate([req])
+    (plain,) = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate([req])
+    assert g.token_ids == plain.token_ids
     assert sum(g.accepted) >= 8 and g.steps < plain.steps
 
 
