@@ -39,6 +39,11 @@ FINISHED = Counter("specinfer_requests_finished", "requests ended, by reason (eo
                    ["reason"])
 DRAFT_TOKENS = Counter("specinfer_draft_tokens", "draft tree nodes sent to the verifier, by tree depth", ["depth"])
 ACCEPTED_TOKENS = Counter("specinfer_accepted_tokens", "draft tokens accepted, by tree depth", ["depth"])
+DRAFTER_TOKENS = Counter("specinfer_drafter_draft_tokens", "draft tree nodes each drafter proposed (speculator-i in "
+                         "the order of --speculators, lookup: context lookup, grammar: a grammar's forced tokens)",
+                         ["drafter"])
+DRAFTER_ACCEPTED = Counter("specinfer_drafter_accepted_tokens", "of those, the nodes the LLM accepted: each drafter's "
+                           "own acceptance, as deep as its tree alone would have been accepted", ["drafter"])
 TOKENS_PER_STEP = Histogram("specinfer_tokens_per_step", "tokens a request gets from one verifier step "
                             "(mean tokens per step = sum / count)", buckets=SIZE_BUCKETS)
 BATCH_SIZE = Histogram("specinfer_batch_size", "requests per verifier step", buckets=SIZE_BUCKETS)
@@ -46,13 +51,23 @@ ITERATION = Histogram("specinfer_iteration_seconds", "one scheduler iteration (d
                       buckets=LATENCY_BUCKETS)
 
 
-def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float) -> None:
-    """One request's step: the tree it verified, the tokens streamed, how many were drafts, and
-    the time since its previous chunk (since acceptance for the first)."""
+def drafter_label(number: int, speculators: int) -> str:
+    """A drafter's label: its number as the engine counts drafters (the draft trees' proposer bits)."""
+    return f"speculator-{number}" if number < speculators else ("lookup", "grammar")[number - speculators]
+
+
+def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float,
+                drafters: dict[int, tuple[int, int]], speculators: int) -> None:
+    """One request's step: the tree it verified, the tokens streamed, how many were drafts, the time
+    since its previous chunk (since acceptance for the first), and each drafter's (accepted, drafted)."""
     for d, n in collections.Counter(depths(tree.parents)).items():  # one labelled update per depth, not per node
         DRAFT_TOKENS.labels(str(d)).inc(n)
     for d in range(1, accepted + 1):
         ACCEPTED_TOKENS.labels(str(d)).inc()
+    for number, (hit, drafted) in drafters.items():
+        label = drafter_label(number, speculators)
+        DRAFTER_TOKENS.labels(label).inc(drafted)
+        DRAFTER_ACCEPTED.labels(label).inc(hit)
     TOKENS_PER_STEP.observe(emitted)
     GENERATION_TOKENS.inc(emitted)
     if first:

@@ -159,7 +159,8 @@ class Scheduler:
                 self._fail(s, event)
                 continue
             metrics.record_step(event.tree or TokenTree(), len(event.tokens), event.accepted, first=s.steps == 1,
-                                since_last=now - (s.last_chunk or s.arrived))
+                                since_last=now - (s.last_chunk or s.arrived), drafters=event.drafters,
+                                speculators=len(self.engine.drafters))
             if s.steps == 1:
                 metrics.CACHED_TOKENS.inc(s.cached_tokens)
             s.last_chunk = now

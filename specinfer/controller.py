@@ -37,6 +37,15 @@ the model does not see decide (a speculator that sat out plain steps catches up 
 the fits' own error); without the margin, near-tie trees at two streams on a CPU ran below no
 speculation.
 
+Each drafter's own share, per request: the engine measures how deep the LLM accepted each drafter's
+tree alone (every speculator, context lookup and the grammar apart), pooled over requests and per
+request (pulled towards the pooled figures). On the server's expansion a speculator drafts a level
+for a request only while its own path there reaches that deep at least MIN_REACH (10%) of the time
+(`drafter_levels`): every level costs verified rows and drafting whatever the other drafters do, so
+a drafter that rarely agrees with the LLM on a request's text (an SSM trained on code, on a chat)
+stops costing that request while the others keep drafting; a cut-off drafter still drafts one level
+for it every PROBE steps, so it wins the request back when the text changes.
+
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
 same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
@@ -140,16 +149,26 @@ class Iteration:
 @dataclass
 class Acceptance:
     """Measured probability that a draft token is accepted at depth d given its parent was, for one
-    kind of drafter, decayed by `forget` per recorded step and pulled towards `prior`."""
+    kind of drafter, decayed by `forget` per recorded step and pulled towards `prior` (towards what
+    `pooled` measures at d, where set: one request's figures pulled towards all requests')."""
 
     prior: float
     prior_weight: float
     forget: float
     reached: dict[int, float] = field(default_factory=dict)  # depth d -> steps whose path could accept at d (decayed)
     hit: dict[int, float] = field(default_factory=dict)  # depth d -> of those, steps that did
+    pooled: "Acceptance | None" = None
 
     def at(self, d: int) -> float:
-        return (self.hit.get(d, 0.0) + self.prior * self.prior_weight) / (self.reached.get(d, 0.0) + self.prior_weight)
+        prior = self.prior if self.pooled is None else self.pooled.at(d)
+        return (self.hit.get(d, 0.0) + prior * self.prior_weight) / (self.reached.get(d, 0.0) + self.prior_weight)
+
+    def reach(self, m: int) -> float:
+        """The chance that a path of this drafter is accepted at least m deep."""
+        p = 1.0
+        for d in range(1, m + 1):
+            p *= self.at(d)
+        return p
 
     def expected_tokens(self, m: int) -> float:
         """Tokens a request emits per step with drafts of depth m: the bonus token plus the expected
@@ -200,6 +219,10 @@ class Looks:
     count: int = 0  # looks so far (taking the neighbours in turn)
 
 
+MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
+PROBE = 8  # a drafter cut off from a request drafts one level for it every PROBE steps
+
+
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
@@ -216,6 +239,35 @@ class SpeculationController:
         self.fallback = Share(prior, prior_weight, forget)
         self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
         self.seen: dict[Choice, int] = {}  # choice -> iterations measured at it
+        # each drafter's own tree (drafter number -> how deep the LLM accepted the drafter's tree alone),
+        # over all requests; a request's own figures (`own`) are pulled towards these
+        self.prior, self.forget = prior, forget
+        self.by_drafter: dict[int, Acceptance] = {}
+
+    def pooled(self, drafter: int) -> Acceptance:
+        return self.by_drafter.setdefault(drafter, Acceptance(self.prior, 2.0, self.forget))
+
+    def own(self, drafter: int) -> Acceptance:
+        """A new request's figures for a drafter, worth 4 of its steps of the drafter's pooled ones."""
+        return Acceptance(self.prior, 4.0, self.forget, pooled=self.pooled(drafter))
+
+    @staticmethod
+    def drafter_levels(own: Acceptance, planned: int, step: int) -> int:
+        """How many of the `planned` levels a drafter drafts for a request at its step `step`: as
+        deep as the request's own figures give the drafter's path at least MIN_REACH to be accepted
+        that far. Each level costs verified rows whatever the other drafters do, so a drafter that
+        rarely agrees with the LLM on this request's text stops costing them; cut off, it still drafts
+        one level every PROBE steps, so a request whose text changes can win it back."""
+        m = 0
+        while m < planned and own.reach(m + 1) >= MIN_REACH:
+            m += 1
+        return m or (min(planned, 1) if step % PROBE == 0 else 0)
+
+    def record_drafters(self, outcomes: dict[int, list[tuple[int, int]]]) -> None:
+        """One step's (accepted depth, tree depth) of each drafter's own tree, per request it drafted for."""
+        for drafter, accepted in outcomes.items():
+            if accepted:
+                self.pooled(drafter).record(accepted)
 
     def choices(self, top: int) -> list[Choice]:
         """In order: none, lookup's chain first (every level), the SSMs' trees of depth 1..top."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from .controller import Choice, Iteration, SpeculationController
@@ -35,7 +35,7 @@ from .grammar import FORCED_TOKENS, Constraint, Grammars, GrammarSpec
 from .lookup import ContextIndex, chain_outcome, chain_tree
 from .masks import AllowedTokens
 from .sampling import SamplingParams
-from .tree import TokenTree, accepted_nodes, fit_expansion, merge, proposers, tree_size
+from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size
 
 MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
 
@@ -147,6 +147,9 @@ class Chunk:
     # context lookup the bit after them, the grammar's forced tokens the next) and the nodes the verifier accepted
     proposers: list[int] = field(default_factory=list)
     accepted_nodes: list[int] = field(default_factory=list)
+    # each drafter's own share of the tree, by the numbers of `proposers`' bits: (its nodes the LLM
+    # accepted, its nodes), for every drafter that drafted
+    drafters: dict[int, tuple[int, int]] = field(default_factory=dict)
     logprobs: list | None = None  # of each token, for a request that asked (logprobs.TokenLogprob)
     prompt_logprobs: list | None = None  # the prompt's (all but its first token), with the first chunk
 
@@ -170,6 +173,7 @@ class Sequence:
     context: ContextIndex = field(default_factory=ContextIndex)  # its record, indexed for context lookup
     features: list = field(default_factory=list)  # the verifier's features the feature drafters have not had yet
     constraint: Constraint | None = None  # the grammar's state after the committed tokens (request.grammar)
+    by_drafter: dict = field(default_factory=dict)  # drafter number -> its own acceptance on this request (controller.py)
     cached_tokens: int = 0  # of its prompt, the tokens whose KV entries the verifier's prefix cache held
     preemptions: int = 0  # times its state was dropped everywhere to make room, and its record prefilled again
 
@@ -391,6 +395,10 @@ class SpeculativeEngine:
             if s.done:  # cancelled while the step ran
                 continue
             out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}), forced.get(s.id, ()))))
+        if self.controller is not None:
+            self.controller.record_drafters(
+                {i: [(c.drafters[i][0], max(depths(sources[s.id][i].parents))) for s, c in out if i in c.drafters]
+                 for i in range(len(self.drafters))})
         self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s)
         return out
 
@@ -414,8 +422,17 @@ class SpeculativeEngine:
         chunk = Chunk(emitted, s.finish_reason, accepted, tree,
                       logprobs=v.logprobs[: len(emitted)] if s.request.logprobs else None,
                       prompt_logprobs=v.prompt_logprobs)
-        if s.want_trees and tree is not None:
-            chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
+        if tree is None:
+            return chunk
+        path = accepted_nodes(tree, tokens)
+        for i, own in sources.items():  # how deep the LLM accepted each drafter's tree alone
+            chunk.drafters[i] = (len(path_along(own, tokens[:-1])), len(own))
+            if i in s.by_drafter:
+                s.by_drafter[i].record([(chunk.drafters[i][0], max(depths(own.parents)))])
+        if forced:
+            chunk.drafters[len(self.drafters) + 1] = (len(set(path) & set(forced)), len(forced))
+        if s.want_trees:
+            chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), path
             for u in forced:  # the grammar's drafts: the bit after context lookup's
                 chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
         return chunk
@@ -485,9 +502,8 @@ class SpeculativeEngine:
     async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
             dict[str, tuple[list[int], int]], tuple[int, int, set[str]]]:
-        """Each request's merged draft tree (none for a request that gets no tree this step), for
-        requests that asked for their trees the trees it merged by drafter number (context lookup's:
-        the number after the drafters'), the expansion config each drafted request was planned, with
+        """Each request's merged draft tree (none for a request that gets no tree this step), the
+        trees it merged by drafter number (context lookup's: the number after the drafters'), the expansion config each drafted request was planned, with
         context lookup on the chain it found for each (maybe none) and the most tokens it could have
         drafted, and the deepest tree asked of the drafters (0: they were not asked), the nodes asked
         in all, and the requests they were asked for."""
@@ -509,11 +525,16 @@ class SpeculativeEngine:
                 chains[s.id] = (s.context.draft(room), room)
         asked = ([d for s, d in drafting if self._asks(s, choice, chains.get(s.id, ([], 0))[0])]
                  if self.drafters else [])
-        answers = (await gather(*(d.draft(asked) for d in self.drafters)) if asked
-                   else [{}] * len(self.drafters))  # lookup found a chain for every request: no drafter asked
-        asked_ids = {d.request_id for d in asked}
+        seqs = {s.id: s for s, _ in drafting}
+        each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
+        calls = [i for i, drafts in enumerate(each) if drafts]  # lookup found a chain for every request: none
+        answers = [{} for _ in self.drafters]
+        for i, answer in zip(calls, await gather(*(self.drafters[i].draft(each[i]) for i in calls))):
+            answers[i] = answer
+        asked_ids = {d.request_id for drafts in each for d in drafts}
+        fed = [{d.request_id for d in drafts} for drafts, drafter in zip(each, self.drafters) if drafter.wants_features]
         for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)
-            if s.id in asked_ids:
+            if s.id in asked_ids and all(s.id in ids for ids in fed):
                 s.features = []
         merged, sources = {}, {}
         for s, d in drafting:
@@ -521,12 +542,29 @@ class SpeculativeEngine:
             if chain := chains.get(s.id, ([], 0))[0]:
                 trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
-                s.no_tree["no drafter sent a tree in time" if self.drafters
-                          else "context lookup found no earlier occurrence to continue"] += 1
+                s.no_tree["no drafter sent a tree in time" if s.id in asked_ids else
+                          "the drafters rarely agree with the LLM on this request (cut off until a probe)"
+                          if asked else "context lookup found no earlier occurrence to continue"] += 1
                 continue
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
-            if s.want_trees:
-                sources[s.id] = trees
-        asked_for = (max((len(d.expansion) for d in asked), default=0), sum(tree_size(d.expansion) for d in asked),
-                     asked_ids)
+            sources[s.id] = trees
+        asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
+                     max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids)
         return merged, sources, {s.id: d.expansion for s, d in drafting}, chains, asked_for
+
+    def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:
+        """What drafter number `drafter` drafts this step: for requests on the server's expansion, as
+        many levels as its own acceptance on each request earns (SpeculationController.drafter_levels),
+        none where it earns none; requests with a fixed expansion get it whole."""
+        if self.controller is None:
+            return asked
+        out = []
+        for d in asked:
+            s = seqs[d.request_id]
+            if s.expansion is not None:
+                out.append(d)
+                continue
+            own = s.by_drafter.setdefault(drafter, self.controller.own(drafter))
+            if m := self.controller.drafter_levels(own, len(d.expansion), s.steps):
+                out.append(d if m == len(d.expansion) else replace(d, expansion=d.expansion[:m]))
+        return out

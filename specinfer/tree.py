@@ -169,15 +169,23 @@ def proposers(merged: TokenTree, trees: dict[int, TokenTree]) -> list[int]:
     return bits
 
 
+def path_along(tree: TokenTree, tokens: list[int]) -> list[int]:
+    """The nodes from the root along `tokens`, as far as the tree has them."""
+    path, u = [], -1
+    for t in tokens:
+        u = tree.child_with_token(u, t)
+        if u is None:
+            break
+        path.append(u)
+    return path
+
+
 def accepted_nodes(tree: TokenTree, tokens: list[int]) -> list[int]:
     """The nodes a verifier step accepted, given the tokens it returned (the accepted path's tokens
     and then its own bonus token): the path from the root along tokens[:-1]."""
-    path, u = [], -1
-    for t in tokens[:-1]:
-        u = tree.child_with_token(u, t)
-        if u is None:
-            raise ValueError(f"tree: accepted token {t} is not a child of node {path[-1] if path else -1}")
-        path.append(u)
+    path = path_along(tree, tokens[:-1])
+    if len(path) < len(tokens) - 1:
+        raise ValueError(f"tree: accepted token {tokens[len(path)]} is not a child of node {path[-1] if path else -1}")
     return path
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specinfer.controller import Fit, SpeculationController, Iteration
+from specinfer.controller import PROBE, Fit, Iteration, SpeculationController
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -217,3 +217,23 @@ def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():
     chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.010, draft_level=0.0005, accept=0.9, chain_accept=0.2)
     assert chosen[len(EXPANSION)] >= 0.8 * sum(chosen.values()), chosen
     assert chosen["lookup"] <= 0.1 * sum(chosen.values()), chosen
+
+
+def test_a_drafter_that_rarely_agrees_on_a_request_is_cut_off_probed_and_wins_it_back():
+    """Per request, each drafter drafts as many levels as its own acceptance there earns."""
+    c = SpeculationController()
+    good, short, bad = c.own(0), c.own(2), c.own(1)
+    for _ in range(20):
+        good.record([(4, 4)])  # the whole tree accepted
+        short.record([(2, 4)])  # two of its four levels
+        bad.record([(0, 4)])
+        c.record_drafters({0: [(4, 4)], 1: [(0, 4)]})
+    assert [c.drafter_levels(good, 4, step) for step in range(1, 8)] == [4] * 7
+    assert c.drafter_levels(short, 4, 1) == 2
+    levels = [c.drafter_levels(bad, 4, step) for step in range(1, 2 * PROBE + 1)]
+    assert levels.count(0) == len(levels) - 2 and levels.count(1) == 2  # one level, every PROBE steps
+    for _ in range(6):  # the request's text changed: the probes hit
+        bad.record([(1, 1)])
+    assert c.drafter_levels(bad, 4, 1) >= 1
+    # a new request starts from the drafter's figures over all requests
+    assert c.drafter_levels(c.own(1), 4, 1) == 0 and c.drafter_levels(c.own(0), 4, 1) == 4

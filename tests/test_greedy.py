@@ -5,12 +5,14 @@ accepted path."""
 
 import json
 import shutil
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from specinfer.controller import PROBE, Choice
 from specinfer.generate import Engine, Mode, Request, validate
 from specinfer.graphs import GraphConfig
 from specinfer.model import DRAFT_VOCAB, LlamaModel
@@ -19,7 +21,7 @@ from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 
-from .conftest import MODELS
+from .conftest import MODELS, save_random_llama
 
 NEW_TOKENS = 64
 N_PROMPTS = 10
@@ -104,6 +106,28 @@ def test_context_lookup_chain_reaches_past_the_expansion_and_stops_at_its_length
     assert [g.token_ids for g in gens] == want
     accepted = [a for g in gens for a in g.accepted]
     assert 1 < max(accepted) <= 5, accepted
+
+
+def test_a_drafter_that_never_agrees_is_cut_off_per_request_and_the_output_stays_the_llms(shipped, reference, tmp_path):
+    """Beside SSM 0, a drafter with random weights: on the server's expansion (adaptive, the cost
+    model held at the whole tree) it drafts for a request only until its own acceptance there is
+    measured, then one level every PROBE steps; SSM 0 keeps drafting."""
+    _, _, llm, ssms = shipped
+    prompts, want = reference
+    save_random_llama(tmp_path / "junk", 3, vocab=llm.cfg.vocab_size, hidden=32, layers=1)
+    junk = LlamaModel.from_pretrained(tmp_path / "junk")
+    engine = Engine(llm, [ssms[0], junk], Mode.MERGED, [2, 1, 1], adaptive=True)
+    engine.engine.controller.choose = lambda batch_size, full_trees: Choice(3)
+    drafted = {0: Counter(), 1: Counter()}  # drafter -> request -> steps it drafted for the request
+    for i, drafter in enumerate(engine.engine.drafters):
+        real = drafter.speculator.draft
+        drafter.speculator.draft = lambda batch, real=real, i=i: drafted[i].update(r.request_id for r in batch) or \
+            real(batch)
+    gens = engine.generate([Request(p, NEW_TOKENS) for p in prompts[:3]])
+    assert [g.token_ids for g in gens] == want[:3]
+    for g in gens:
+        assert drafted[0][g.id] >= 0.9 * g.steps - 1
+        assert drafted[1][g.id] <= 6 + g.steps / PROBE, (drafted, g.steps)
 
 
 def test_greedy_output_matches_incremental_decoding_through_static_buffers(shipped, reference):

@@ -82,6 +82,12 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
     assert all(depth_accepted[d] >= depth_accepted[d + 1] for d in range(1, len(depth_accepted)))
     assert all(depth_accepted[d] <= depth_drafted[d] for d in depth_accepted)
     assert total(m, "specinfer_draft_tokens_total") > accepted
+    # each drafter's own: every accepted node was proposed by some drafter, and no drafter's tree
+    # alone was accepted deeper than the merged tree
+    own = {dict(k)["drafter"]: v for k, v in m["specinfer_drafter_accepted_tokens_total"].items()}
+    assert {"speculator-0", "speculator-1"} <= set(own), own
+    assert max(own.values()) <= accepted <= sum(own.values())
+    assert all(v <= total(m, "specinfer_drafter_draft_tokens_total", drafter=d) for d, v in own.items())
 
     # the verifier's own step time: one step per manager iteration; the speculators' tree time
     v = scrape(urls["verifier"])

@@ -78,7 +78,8 @@ class Speculator:
 
 
 class Fixed(SpeculationController):
-    """Makes one choice whenever trees fit, and keeps what it was told."""
+    """Makes one choice whenever trees fit, keeps every drafter drafting it (however rarely it
+    agrees), and keeps what it was told."""
 
     def __init__(self, speculators: bool):
         super().__init__(lookup=True)
@@ -86,6 +87,10 @@ class Fixed(SpeculationController):
 
     def choose(self, batch_size, full_trees):
         return Choice(len(full_trees), self.speculators) if full_trees else PLAIN
+
+    @staticmethod
+    def drafter_levels(own, planned, step):
+        return planned
 
     def record(self, step: Iteration) -> None:
         self.steps.append(step)

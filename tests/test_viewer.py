@@ -136,6 +136,12 @@ def test_viewer_streams_the_greedy_text_and_draws_every_steps_tree_with_its_acce
     deepest = max(max(depths(s["draft_tree"]["parents"]), default=0) for s in steps if "draft_tree" in s)
     assert len(rates) == deepest >= len(EXPANSION.split(",")) and rates[0] > 0
 
+    # the legend keeps each drafter's own tally: its nodes and how many of them the LLM accepted
+    tallies = page.locator("#legend [data-drafter]").evaluate_all(
+        "items => items.map(i => [+i.dataset.accepted, +i.dataset.drafted, i.textContent])")
+    assert any(0 < a <= d for a, d, _ in tallies), tallies
+    assert all(a <= d and (f"{a} of {d} accepted" in text or not d) for a, d, text in tallies), tallies
+
     page.screenshot(path=tmp_path / "viewer.png", full_page=True)
     shutil.copy(tmp_path / "viewer.png", "/tmp/viewer.png")
 

@@ -175,7 +175,7 @@ function requestBody() {
 
 function newRun(prompt) {
   run = {steps: [], started: performance.now(), ended: null, usage: null, active: true,
-         reached: [], offered: [], controller: new AbortController()};
+         reached: [], offered: [], drafted: [], hit: [], controller: new AbortController()};
   shown = null;
   $('prompt-echo').textContent = prompt;
   $('completion').replaceChildren();
@@ -184,6 +184,7 @@ function newRun(prompt) {
   $('summary').textContent = '';
   $('follow').hidden = true;
   updateFigures();
+  drawLegend(0);
 }
 
 /** One verifier step's event → a step record, drawn everywhere. */
@@ -199,6 +200,14 @@ function addStep(choice) {
   };
   run.steps.push(step);
 
+  // each drafter's own acceptance: its nodes, and of those the accepted ones (bit s of a node's mask)
+  tree.speculators.forEach((mask, u) => {
+    for (let s = 0; mask >> s; s++) {
+      if (!((mask >> s) & 1)) continue;
+      run.drafted[s] = (run.drafted[s] || 0) + 1;
+      run.hit[s] = (run.hit[s] || 0) + (tree.accepted.includes(u) ? 1 : 0);
+    }
+  });
   drawLegend(Math.max(0, ...tree.speculators.map(mask => 32 - Math.clz32(mask))));
   const depths = nodeDepths(tree.parents);
   const deepest = Math.max(0, ...depths);
@@ -461,18 +470,22 @@ function drafterLabel(s) {
 }
 
 function drawLegend(speculators) {
-  if (speculators <= legendFor && $('legend').children.length) return;
-  legendFor = speculators;
+  legendFor = Math.max(speculators, legendFor);
+  speculators = legendFor;
   const info = server?.specinfer || {};
   const served = Math.max(info.speculators || 0, (info.drafters || []).length);
   const own = s => (1 << s) === info.context_lookup_mask || (1 << s) === info.grammar_mask;  // the manager's drafters
   const items = [];
   for (let s = 0; s < speculators; s++) {
-    if (s < served || own(s)) items.push([drafterLabel(s), cssFill(1 << s), maskStroke(1 << s)]);
+    if (!(s < served || own(s))) continue;
+    const tally = run?.drafted[s] ? ` · ${run.hit[s]} of ${run.drafted[s]} accepted` : '';
+    items.push([drafterLabel(s) + tally, cssFill(1 << s), maskStroke(1 << s), s]);
   }
   if (speculators > 1) items.push([speculators > 2 ? 'several drafters' : 'both', cssFill(3), maskStroke(3)]);
   items.push(['accepted path', '#ffffff', GREEN], ['★ bonus (LLM)', GREEN, GREEN]);
-  $('legend').replaceChildren(...items.map(([name, fill, stroke]) => html('span', {class: 'key-item'},
+  $('legend').replaceChildren(...items.map(([name, fill, stroke, s]) => html('span',
+    {class: 'key-item', ...(s === undefined ? {} : {'data-drafter': s, 'data-drafted': run?.drafted[s] || 0,
+                                                   'data-accepted': run?.hit[s] || 0})},
     html('i', {class: 'swatch', style: `background:${fill};border-color:${stroke}`}), name)));
 }
 
