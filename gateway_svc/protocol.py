@@ -85,6 +85,12 @@ class ApiError(Exception):
             details = f"{param}: {rest}"
         return cls(status, details, kind, param, code_name.lower())
 
+    @classmethod
+    def from_http(cls, status: int, message: str) -> ApiError:
+        """An error the web framework raised (no route, wrong method), typed as the same status from the manager."""
+        kind = next((k for s, k in STATUS.values() if s == status), "invalid_request_error" if status < 500 else "server_error")
+        return cls(status, message, kind)
+
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 

@@ -235,6 +235,23 @@ def test_error_statuses_in_openais_shape(gw):
     assert e.value.code == 400 and "error" in json.load(e.value)
 
 
+def test_unknown_routes_and_wrong_methods_get_openais_error_shape(gw):
+    for method, path, status in (("GET", "/v1/nope", 404), ("POST", "/v1/engines/llm/completions", 404),
+                                 ("GET", "/static/nope.js", 404), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/completions", 405), ("DELETE", "/v1/chat/completions", 405)):
+        request = urllib.request.Request(gw["url"] + path, b"{}" if method != "GET" else None,
+                                         {"Content-Type": "application/json"}, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request)
+        body = json.load(e.value)
+        assert e.value.code == status, (method, path)
+        assert body.keys() == {"error"} and body["error"].keys() == {"message", "type", "param", "code"}
+        assert f"{method} {path}" in body["error"]["message"]
+        if status == 405:
+            allowed = "GET" if path == "/v1/models" else "POST"
+            assert e.value.headers["Allow"] == allowed and f"allowed: {allowed}" in body["error"]["message"]
+
+
 def test_a_full_queue_gets_429_and_a_slow_request_504(gw):
     """The strict manager runs one request and queues one; its gateway gives a request 5 s. The
     verifier is paused (SIGSTOP) once the first request runs, so the queued one cannot finish in
