@@ -149,7 +149,7 @@ class Choice:
 
 class Gateway:
     def __init__(self, manager: str, tokenizer, request_timeout: float, credentials: grpc.ChannelCredentials | None,
-                 max_message_bytes: int, model_name: str = ""):
+                 max_message_bytes: int, model_name: str = "", max_choices: int = 1024):
         self.manager = manager
         self.tokenizer = tokenizer
         self.timeout = request_timeout
@@ -159,6 +159,7 @@ class Gateway:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.model_name = model_name  # served name; empty: the manager's model_name, asked once
+        self.max_choices = max_choices  # prompts x n per request
         self.metrics = Metrics()
 
     async def call(self, method, request, metadata):
@@ -205,6 +206,10 @@ class Gateway:
             raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
                                 f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
         prompts = self.prompt_ids(body)
+        if len(prompts) * body.n > self.max_choices:
+            raise ApiError.bad("prompt" if len(prompts) > 1 else "n",
+                               f"at most {self.max_choices} choices (prompts x n) per request (the gateway's "
+                               f"--max-choices), got {len(prompts)} x {body.n}")
         stops, stop_ids, grammar = body.stop_strings(), body.stop_token_ids(), body.grammar()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
@@ -230,10 +235,11 @@ class Gateway:
         start = time.perf_counter()
         try:
             firsts = await asyncio.gather(*(c.call.read() for c in choices))  # errors before the first token: statuses
-        except grpc.aio.AioRpcError as e:
+        except grpc.aio.AioRpcError as e:  # all or nothing: a choice refused (the queue full) cancels the others
             for c in choices:
                 c.call.cancel()
-            raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+            which = "" if len(choices) == 1 else f" (one of this request's {len(choices)} choices; all were cancelled)"
+            raise ApiError.from_grpc(e.code().name, (e.details() or "") + which) from None
         for c, first in zip(choices, firsts):
             c.first = first
         self.metrics.ttft.observe(time.perf_counter() - start)

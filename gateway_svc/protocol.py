@@ -3,7 +3,8 @@
 Supported beyond text: `logprobs` (completions: the top up to 20; chat: `logprobs` and
 `top_logprobs` up to 20), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
 token-id lists and several prompts in one request (completions), and `n` choices per prompt (choice
-j samples with a seed derived from the request's, `choice_seeds`).
+j samples with a seed derived from the request's, `choice_seeds`); how many choices one request may
+ask is the gateway's `--max-choices`.
 `response_format` (both endpoints): `text`, `json_object`, `json_schema` (its `schema` is enforced
 whether `strict` or not), and as extensions `{"type": "regex", "regex": ...}` and
 `{"type": "grammar", "grammar": ...}` (llguidance's Lark syntax); one that does not compile is a 400
@@ -30,7 +31,6 @@ from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
 
 MAX_N = 16  # choices per prompt at most
-MAX_PROMPTS = 64  # prompts in one completions request at most
 GOLDEN = 0x9E3779B97F4A7C15  # choice j's seed: the request's plus j times this, modulo 2**64
 
 
@@ -207,8 +207,6 @@ class CompletionRequest(_Generation):
         prompts = self.prompts()
         if not prompts or any(not p for p in prompts):
             raise ApiError.bad("prompt", "must not be empty")
-        if len(prompts) > MAX_PROMPTS:
-            raise ApiError.bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
         if self.stream and self.echo and len(prompts) * self.n > 1:
             raise ApiError.bad("echo", "with stream: true, only for one prompt and n = 1")
 

@@ -202,7 +202,7 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"echo": True, "stream": True, "n": 2}, "echo"), ({"suffix": "x"}, "suffix"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"extra_body": {"speculation": "9,9"}}, "speculation"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
-    ({"prompt": ""}, "prompt")])
+    ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):
     kw = {"model": "llm", "prompt": "x", "max_tokens": 4, **params}
     with pytest.raises(openai.BadRequestError) as e:
@@ -233,6 +233,37 @@ def test_error_statuses_in_openais_shape(gw):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request)
     assert e.value.code == 400 and "error" in json.load(e.value)
+
+
+def test_a_batch_of_128_prompts_gives_each_prompts_own_choice(gw, heldout_ids):
+    """lm-evaluation-harness's `--batch_size 128`: 128 token-id prompts in one request (echo, logprobs,
+    as it scores), each choice the prompt sent alone."""
+    c = client(gw["url"])
+    prompts = [ids[:8 + k] for ids in heldout_ids[:32] for k in (0, 3, 6, 9)]
+    kw = {"model": "llm", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    batch = sorted(c.completions.create(prompt=prompts, **kw).choices, key=lambda ch: ch.index)
+    assert [ch.index for ch in batch] == list(range(128))
+    for got, prompt in zip(batch, prompts):
+        (alone,) = c.completions.create(prompt=prompt, **kw).choices
+        assert (got.text, got.logprobs.tokens) == (alone.text, alone.logprobs.tokens)
+        assert got.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_a_batch_beyond_the_managers_queue_gets_429_and_leaves_no_request_behind(gw):
+    """The strict manager runs one request and queues one: of three prompts in one request, one is
+    refused, so the client gets 429 for the whole request and the other two are cancelled, not kept
+    running for no one."""
+    c = client(gw["strict"], "sesame")
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="llm", prompt=["def f(x):", "class A:", "import os"], max_tokens=1000,
+                             temperature=0, extra_body={"ignore_eos": True})
+    assert e.value.body["type"] == "rate_limit_error" and "3 choices" in e.value.body["message"]
+    manager = gw["strict_manager"].metrics.removesuffix("/metrics")
+    deadline = time.monotonic() + 30
+    while gateway_metric(manager, "specinfer_requests_running") + waiting(gw["strict_manager"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway_metric(manager, "specinfer_requests_running") == waiting(gw["strict_manager"]) == 0
 
 
 def test_unknown_routes_and_wrong_methods_get_openais_error_shape(gw):
