@@ -370,6 +370,13 @@ def entry(e) -> tuple[int, float, list[tuple[int, float]]]:
     return e.token_id, finite(e.logprob), [(t, finite(v)) for t, v in zip(e.top_token_ids, e.top_logprobs)]
 
 
+def with_chosen(e: tuple) -> list[tuple[int, float]] | None:
+    """An entry's top alternatives with the chosen token's own added when it is not among them:
+    completions' "up to logprobs + 1", as OpenAI's and vLLM's (chat lists exactly the top, as OpenAI's)."""
+    token, logprob, top = e
+    return top if top is None or any(t == token for t, _ in top) else top + [(token, logprob)]
+
+
 @dataclass
 class Reply:
     """The shapes of one request's response objects: completions ("text") or chat."""
@@ -408,7 +415,7 @@ class Reply:
             c.offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [None if top is None else dict(zip(text([i for i, _ in top]), (v for _, v in top)))
-                                 for _, _, top in entries],
+                                 for top in map(with_chosen, entries)],
                 "text_offset": offsets}
 
     def chunk(self, c: Choice, piece: str, msg: generation_pb2.GenerateResponse, kept: int) -> dict:

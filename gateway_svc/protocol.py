@@ -1,7 +1,8 @@
 """The OpenAI request bodies the gateway accepts, and its errors in OpenAI's JSON shape.
 
-Supported beyond text: `logprobs` (completions: the top up to 20; chat: `logprobs` and
-`top_logprobs` up to 20), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
+Supported beyond text: `logprobs` (completions: the top up to 20, and the chosen token when it is
+not among them, as OpenAI's "up to logprobs + 1"; chat: `logprobs` and `top_logprobs` up to 20,
+exactly that many alternatives, as OpenAI's), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
 token-id lists and several prompts in one request (completions), and `n` choices per prompt (choice
 j samples with a seed derived from the request's, `choice_seeds`); how many choices one request may
 ask is the gateway's `--max-choices`.

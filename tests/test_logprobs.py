@@ -162,6 +162,26 @@ def test_completions_echo_gives_the_prompts_logprobs_as_lm_eval_asks(served, hel
         assert out.usage.completion_tokens == 3 * max_tokens
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_completions_top_logprobs_hold_the_chosen_token_as_openai_gives_up_to_logprobs_plus_one(served, heldout_ids,
+                                                                                             top):
+    """Echoed prompt tokens and sampled ones are often not among the best `top`: their own entry is
+    added to the position's alternatives."""
+    import openai
+
+    c = openai.OpenAI(base_url=served.gateway.url + "/v1", api_key="x", max_retries=0)
+    out = c.completions.create(model="llm", prompt=heldout_ids[2][:24], echo=True, logprobs=top, max_tokens=12,
+                               temperature=1.5, seed=5, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    outside = 0
+    for token, logprob, alternatives in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert alternatives[token] == logprob
+        best = sorted(alternatives.values(), reverse=True)[:top]
+        outside += logprob not in best
+        assert len(alternatives) == top + (logprob not in best)
+    assert outside > 0  # the case this is about occurred
+
+
 def test_n_choices_are_each_the_request_with_its_derived_seed(served, heldout_ids):
     import openai
 
@@ -195,6 +215,11 @@ def test_chat_logprobs_name_each_token_and_its_alternatives(served):
         assert len(e.top_logprobs) == 4
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy: the best token
         assert e.token == e.top_logprobs[0].token and bytes(e.bytes).decode() == e.token
+    sampled = c.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hello there"}],
+                                        max_tokens=12, temperature=1.5, seed=5, logprobs=True, top_logprobs=1,
+                                        extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert any(e.token != e.top_logprobs[0].token for e in sampled)  # chosen outside the top 1 ...
+    assert all(len(e.top_logprobs) == 1 for e in sampled)  # ... yet exactly top_logprobs alternatives, as OpenAI's
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model="llm", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     assert err.value.body["param"] == "top_logprobs"
