@@ -419,9 +419,12 @@ class Reply:
                 "text_offset": offsets}
 
     def chunk(self, c: Choice, piece: str, msg: generation_pb2.GenerateResponse, kept: int) -> dict:
-        entries = [entry(e) for e in msg.logprobs[:kept]]
+        """The step's chunk; its token_ids are the tokens its text and logprobs hold (the prompt's first
+        with echo; not a stop token id, nor the token generated for echo with max_tokens 0)."""
+        ids, entries = list(msg.token_ids[:kept]), [entry(e) for e in msg.logprobs[:kept]]
         if c.echo is not None:  # the first chunk: the prompt first
             piece, entries, c.echo = c.echo + piece, self.echo_logprobs(c) + entries, None
+            ids = c.prompt + ids
         if self.kind == "text":
             choice = {"index": c.index, "text": piece, "finish_reason": c.tally.finish}
         else:
@@ -429,10 +432,10 @@ class Reply:
             self.role_sent.add(c.index)
             choice = {"index": c.index, "delta": delta, "finish_reason": c.tally.finish}
         choice["logprobs"] = self.logprobs_json(c, entries)
-        choice["token_ids"] = list(msg.token_ids)
+        choice["token_ids"] = ids
         if self.trees:
             t = msg.draft_tree
-            choice["token_texts"] = self.gateway.token_texts(msg.token_ids)
+            choice["token_texts"] = self.gateway.token_texts(ids)
             choice["draft_tree"] = {"token_ids": list(t.token_ids), "token_texts": self.gateway.token_texts(t.token_ids),
                                     "parents": list(t.parents), "speculators": list(t.speculators),
                                     "accepted": list(t.accepted)}

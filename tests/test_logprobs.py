@@ -182,6 +182,32 @@ def test_completions_top_logprobs_hold_the_chosen_token_as_openai_gives_up_to_lo
     assert outside > 0  # the case this is about occurred
 
 
+def test_streamed_token_ids_are_the_tokens_its_text_and_logprobs_hold(served, heldout_ids):
+    """Echo (with max_tokens 0, the generated token is output nowhere) and a stop token id (ends the
+    text before it): each stream's token_ids, text and logprobs name the same tokens."""
+    import openai
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODELS / "llm")
+    c = openai.OpenAI(base_url=served.gateway.url + "/v1", api_key="x", max_retries=0)
+    prompt = heldout_ids[3][:20]
+
+    def stream(**kw) -> tuple[list[int], str, list[str]]:
+        chunks = [ch.choices[0] for ch in c.completions.create(model="llm", prompt=prompt, temperature=0, stream=True,
+                                                               logprobs=1, **kw) if ch.choices]
+        return ([t for ch in chunks for t in ch.model_extra["token_ids"]], "".join(ch.text for ch in chunks),
+                [t for ch in chunks for t in ch.logprobs.tokens])
+
+    greedy, _, _ = stream(max_tokens=8, extra_body={"ignore_eos": True})
+    stop = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    for kw, want in (({"echo": True, "max_tokens": 0}, prompt), ({"echo": True, "max_tokens": 3}, prompt + greedy[:3]),
+                     ({"max_tokens": 8, "extra_body": {"ignore_eos": True, "stop": [stop]}},
+                      greedy[:greedy.index(stop)])):
+        ids, text, tokens = stream(**kw)
+        assert ids == want, kw
+        assert text == tok.decode(ids, skip_special_tokens=True) and tokens == [tok.decode([t]) for t in ids]
+
+
 def test_n_choices_are_each_the_request_with_its_derived_seed(served, heldout_ids):
     import openai
 
