@@ -1,5 +1,6 @@
 """The HTTP gateway: OpenAI's completions and chat completions API over the manager's gRPC
-Generation API, the live tree viewer (static/), /health and the gateway's own /metrics.
+Generation API, vLLM's tokenizer routes (tokenization.py), the live tree viewer (static/), /health and
+the gateway's own /metrics.
 
 Text is tokenized and detokenized here, with the LLM's tokenizer (its chat template for chat);
 only token ids go to the manager. Each verifier step the manager streams becomes one server-sent
@@ -48,14 +49,17 @@ from specinfer_rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     choice_seeds,
     validation_error,
 )
 from .text import TextStream
+from .tokenization import DetokenizeRequest, TokenizeRequest, detokenized, tokenized, tokenizer_info
 
 STATIC = Path(__file__).resolve().parent / "static"
-ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+          "/detokenize", "/tokenizer_info"}
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -158,7 +162,8 @@ class Gateway:
                                     channel_options(max_message_bytes) + [("grpc.lb_policy_name", "round_robin")])
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.model_name = model_name  # served name; empty: the manager's model_name, asked once
+        self.model_name = model_name  # served name; empty: the manager's model_name
+        self.fixed: generation_pb2.ModelInfo | None = None  # the manager's answer, asked once (`served`)
         self.max_choices = max_choices  # prompts x n per request
         self.metrics = Metrics()
 
@@ -174,23 +179,34 @@ class Gateway:
             info.model_name = self.model_name
         return info
 
-    async def served_name(self, metadata) -> str:
-        """The model id requests must name. Asked of a manager once, not per request: with
-        round_robin over two managers, a question per request sent every Generate to the same one."""
-        if not self.model_name:
-            self.model_name = (await self.model_info(metadata)).model_name
-        return self.model_name
+    async def served(self, model: str | None, metadata) -> generation_pb2.ModelInfo:
+        """What does not change while the manager serves (the model id requests must name, its context),
+        asked of a manager once, not per request: with round_robin over two managers, a question per
+        request sent every Generate to the same one. 404 when the request names another model."""
+        if self.fixed is None:
+            self.fixed = await self.model_info(metadata)
+        if model is not None and model != self.fixed.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here; this gateway serves {self.fixed.model_name!r} "
+                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+        return self.fixed
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the model's chat template."""
+        if not self.tokenizer.chat_template:
+            raise ApiError.bad("messages", "the model's tokenizer has no chat template "
+                                           "(tokenizer_config.json chat_template); use /v1/completions")
+        turns = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
     def prompt_ids(self, body) -> list[list[int]]:
         """Each prompt's token ids."""
         if isinstance(body, ChatCompletionRequest):
-            if not self.tokenizer.chat_template:
-                raise ApiError.bad("messages", "the model's tokenizer has no chat template "
-                                               "(tokenizer_config.json chat_template); use /v1/completions")
-            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]  # a BatchEncoding in newer transformers
-        return [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in body.prompts()]
+            return [self.chat_ids(body.messages)]
+        return [self.text_ids(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -201,10 +217,7 @@ class Gateway:
     async def generate(self, http: Request, body, path: str):
         body.refuse_unsupported()
         metadata = auth(http)
-        served = await self.served_name(metadata)
-        if body.model != served:
-            raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
-                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+        served = (await self.served(body.model, metadata)).model_name
         prompts = self.prompt_ids(body)
         if len(prompts) * body.n > self.max_choices:
             raise ApiError.bad("prompt" if len(prompts) > 1 else "n",
@@ -516,6 +529,18 @@ def create_app(gateway: Gateway) -> FastAPI:
                           "default_max_new_tokens": info.default_max_new_tokens,
                           "max_new_tokens_cap": info.max_new_tokens_cap,
                           "chat_template": bool(gateway.tokenizer.chat_template)}}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        return tokenized(gateway, body, await gateway.served(body.model, auth(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return detokenized(gateway, body, await gateway.served(body.model, auth(request)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer(request: Request):
+        return tokenizer_info(gateway.tokenizer, await gateway.served(None, auth(request)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

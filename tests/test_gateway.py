@@ -351,6 +351,49 @@ def gateway_metric(url: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
+def post(url: str, body: dict, token: str = "sesame") -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_tokenize_counts_as_completions_and_chat_do_and_detokenize_inverts_it(gw, tokenizer):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info with the gateway's own tokenizer (and chat
+    template), as lm-evaluation-harness's remote tokenizer reads them."""
+    from lm_eval.utils import RemoteTokenizer
+
+    url, c = gw["strict"], client(gw["strict"], "sesame")
+    context = c.models.list().data[0].model_extra["specinfer"]["context_length"]
+    text = "def add(a, b):\n    return a + b  # <|endoftext|> é"
+    status, got = post(url + "/tokenize", {"model": "llm", "prompt": text})
+    assert status == 200 and got == {"count": len(got["tokens"]), "max_model_len": context,
+                                     "tokens": tokenizer(text)["input_ids"]}
+    assert c.completions.create(model="llm", prompt=text, max_tokens=1).usage.prompt_tokens == got["count"]
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    status, chat = post(url + "/tokenize", {"messages": messages})
+    assert status == 200 and chat["count"] == c.chat.completions.create(
+        model="llm", messages=messages, max_tokens=1).usage.prompt_tokens
+    bare = post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"]
+    assert post(url + "/detokenize", {"model": "llm", "tokens": bare}) == (200, {"prompt": text})
+
+    remote = RemoteTokenizer(url + "/v1/completions", auth_token="sesame")
+    assert remote.encode(text) == bare and remote.decode(bare) == text
+    assert remote.eos_token_id == tokenizer.eos_token_id
+    assert remote.tokenizer_info["chat_template"] == CHAT_TEMPLATE and remote.tokenizer_info["model_max_length"] == context
+
+    for path, body, status, field in (("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+                                      ("/tokenize", {"model": "llm"}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs"),
+                                      ("/detokenize", {"tokens": [0, -1]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "12"}, 400, "tokens")):
+        got = post(url + path, body)
+        assert got[0] == status and got[1]["error"]["param"] == field, (path, body, got)
+
+
 def test_models_lists_the_served_model_with_its_speculation_settings(gw):
     models = client(gw["url"]).models.list().data
     assert [m.id for m in models] == ["llm"]
