@@ -89,7 +89,8 @@ class ApiError(Exception):
     @classmethod
     def from_http(cls, status: int, message: str) -> ApiError:
         """An error the web framework raised (no route, wrong method), typed as the same status from the manager."""
-        kind = next((k for s, k in STATUS.values() if s == status), "invalid_request_error" if status < 500 else "server_error")
+        default = "invalid_request_error" if status < 500 else "server_error"
+        kind = next((k for s, k in STATUS.values() if s == status), default)
         return cls(status, message, kind)
 
     def body(self) -> dict:

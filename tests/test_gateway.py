@@ -383,11 +383,12 @@ def test_tokenize_counts_as_completions_and_chat_do_and_detokenize_inverts_it(gw
     remote = RemoteTokenizer(url + "/v1/completions", auth_token="sesame")
     assert remote.encode(text) == bare and remote.decode(bare) == text
     assert remote.eos_token_id == tokenizer.eos_token_id
-    assert remote.tokenizer_info["chat_template"] == CHAT_TEMPLATE and remote.tokenizer_info["model_max_length"] == context
+    info = remote.tokenizer_info
+    assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == context
 
     for path, body, status, field in (("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
                                       ("/tokenize", {"model": "llm"}, 400, "prompt"),
-                                      ("/tokenize", {"prompt": "x", "return_token_strs": True}, 400, "return_token_strs"),
+                                      ("/tokenize", {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
                                       ("/detokenize", {"tokens": [0, -1]}, 400, "tokens"),
                                       ("/detokenize", {"tokens": "12"}, 400, "tokens")):
         got = post(url + path, body)
