@@ -30,6 +30,8 @@ class GatewayConfig(EndpointConfig):
     model_name: str = option("", "model id clients name (empty: the manager's model_name)")
     request_timeout: float = option(600.0, "seconds a generation may take before it fails 504")
     max_message_bytes: int = option(4 << 20, "largest gRPC message accepted or sent")
+    max_choices: int = option(1024, "choices (prompts x n) one request may ask; each is a request to the manager, "
+                                    "which queues what its --max-batch and --max-queue allow (past them: 429)")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -49,7 +51,8 @@ async def main(cfg: GatewayConfig) -> None:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(cfg.tokenizer))
     # to the manager: TLS verified by tls_ca, presenting tls_cert (as the other services do)
     gateway = Gateway(cfg.manager, tokenizer, cfg.request_timeout,
-                      channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), cfg.max_message_bytes, cfg.model_name)
+                      channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key), cfg.max_message_bytes, cfg.model_name,
+                      cfg.max_choices)
     sock = listening_socket(cfg.host, cfg.port)
     config = uvicorn.Config(create_app(gateway), log_level="warning", timeout_graceful_shutdown=cfg.grace,
                             ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None,

@@ -1,5 +1,6 @@
 """The HTTP gateway: OpenAI's completions and chat completions API over the manager's gRPC
-Generation API, the live tree viewer (static/), /health and the gateway's own /metrics.
+Generation API, vLLM's tokenizer routes (tokenization.py), the live tree viewer (static/), /health and
+the gateway's own /metrics.
 
 Text is tokenized and detokenized here, with the LLM's tokenizer (its chat template for chat);
 only token ids go to the manager. Each verifier step the manager streams becomes one server-sent
@@ -29,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.exceptions import HTTPException
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -47,14 +49,17 @@ from specinfer_rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from .protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     choice_seeds,
     validation_error,
 )
 from .text import TextStream
+from .tokenization import DetokenizeRequest, TokenizeRequest, detokenized, tokenized, tokenizer_info
 
 STATIC = Path(__file__).resolve().parent / "static"
-ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+ROUTES = {"/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
+          "/detokenize", "/tokenizer_info"}
 OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -148,7 +153,7 @@ class Choice:
 
 class Gateway:
     def __init__(self, manager: str, tokenizer, request_timeout: float, credentials: grpc.ChannelCredentials | None,
-                 max_message_bytes: int, model_name: str = ""):
+                 max_message_bytes: int, model_name: str = "", max_choices: int = 1024):
         self.manager = manager
         self.tokenizer = tokenizer
         self.timeout = request_timeout
@@ -157,7 +162,9 @@ class Gateway:
                                     channel_options(max_message_bytes) + [("grpc.lb_policy_name", "round_robin")])
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.model_name = model_name  # served name; empty: the manager's model_name, asked once
+        self.model_name = model_name  # served name; empty: the manager's model_name
+        self.fixed: generation_pb2.ModelInfo | None = None  # the manager's answer, asked once (`served`)
+        self.max_choices = max_choices  # prompts x n per request
         self.metrics = Metrics()
 
     async def call(self, method, request, metadata):
@@ -172,23 +179,34 @@ class Gateway:
             info.model_name = self.model_name
         return info
 
-    async def served_name(self, metadata) -> str:
-        """The model id requests must name. Asked of a manager once, not per request: with
-        round_robin over two managers, a question per request sent every Generate to the same one."""
-        if not self.model_name:
-            self.model_name = (await self.model_info(metadata)).model_name
-        return self.model_name
+    async def served(self, model: str | None, metadata) -> generation_pb2.ModelInfo:
+        """What does not change while the manager serves (the model id requests must name, its context),
+        asked of a manager once, not per request: with round_robin over two managers, a question per
+        request sent every Generate to the same one. 404 when the request names another model."""
+        if self.fixed is None:
+            self.fixed = await self.model_info(metadata)
+        if model is not None and model != self.fixed.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here; this gateway serves {self.fixed.model_name!r} "
+                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+        return self.fixed
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The messages through the model's chat template."""
+        if not self.tokenizer.chat_template:
+            raise ApiError.bad("messages", "the model's tokenizer has no chat template "
+                                           "(tokenizer_config.json chat_template); use /v1/completions")
+        turns = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
     def prompt_ids(self, body) -> list[list[int]]:
         """Each prompt's token ids."""
         if isinstance(body, ChatCompletionRequest):
-            if not self.tokenizer.chat_template:
-                raise ApiError.bad("messages", "the model's tokenizer has no chat template "
-                                               "(tokenizer_config.json chat_template); use /v1/completions")
-            messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return [list(ids["input_ids"] if hasattr(ids, "keys") else ids)]  # a BatchEncoding in newer transformers
-        return [self.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in body.prompts()]
+            return [self.chat_ids(body.messages)]
+        return [self.text_ids(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -199,11 +217,12 @@ class Gateway:
     async def generate(self, http: Request, body, path: str):
         body.refuse_unsupported()
         metadata = auth(http)
-        served = await self.served_name(metadata)
-        if body.model != served:
-            raise ApiError(404, f"model: {body.model!r} is not served here; this gateway serves {served!r} "
-                                f"(GET /v1/models)", "not_found_error", "model", "model_not_found")
+        served = (await self.served(body.model, metadata)).model_name
         prompts = self.prompt_ids(body)
+        if len(prompts) * body.n > self.max_choices:
+            raise ApiError.bad("prompt" if len(prompts) > 1 else "n",
+                               f"at most {self.max_choices} choices (prompts x n) per request (the gateway's "
+                               f"--max-choices), got {len(prompts)} x {body.n}")
         stops, stop_ids, grammar, bias = body.stop_strings(), body.stop_token_ids(), body.grammar(), body.bias()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
@@ -233,10 +252,11 @@ class Gateway:
         start = time.perf_counter()
         try:
             firsts = await asyncio.gather(*(c.call.read() for c in choices))  # errors before the first token: statuses
-        except grpc.aio.AioRpcError as e:
+        except grpc.aio.AioRpcError as e:  # all or nothing: a choice refused (the queue full) cancels the others
             for c in choices:
                 c.call.cancel()
-            raise ApiError.from_grpc(e.code().name, e.details() or "") from None
+            which = "" if len(choices) == 1 else f" (one of this request's {len(choices)} choices; all were cancelled)"
+            raise ApiError.from_grpc(e.code().name, (e.details() or "") + which) from None
         for c, first in zip(choices, firsts):
             c.first = first
         self.metrics.ttft.observe(time.perf_counter() - start)
@@ -367,6 +387,13 @@ def entry(e) -> tuple[int, float, list[tuple[int, float]]]:
     return e.token_id, finite(e.logprob), [(t, finite(v)) for t, v in zip(e.top_token_ids, e.top_logprobs)]
 
 
+def with_chosen(e: tuple) -> list[tuple[int, float]] | None:
+    """An entry's top alternatives with the chosen token's own added when it is not among them:
+    completions' "up to logprobs + 1", as OpenAI's and vLLM's (chat lists exactly the top, as OpenAI's)."""
+    token, logprob, top = e
+    return top if top is None or any(t == token for t, _ in top) else top + [(token, logprob)]
+
+
 @dataclass
 class Reply:
     """The shapes of one request's response objects: completions ("text") or chat."""
@@ -405,13 +432,16 @@ class Reply:
             c.offset += len(t)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [None if top is None else dict(zip(text([i for i, _ in top]), (v for _, v in top)))
-                                 for _, _, top in entries],
+                                 for top in map(with_chosen, entries)],
                 "text_offset": offsets}
 
     def chunk(self, c: Choice, piece: str, msg: generation_pb2.GenerateResponse, kept: int) -> dict:
-        entries = [entry(e) for e in msg.logprobs[:kept]]
+        """The step's chunk; its token_ids are the tokens its text and logprobs hold (the prompt's first
+        with echo; not a stop token id, nor the token generated for echo with max_tokens 0)."""
+        ids, entries = list(msg.token_ids[:kept]), [entry(e) for e in msg.logprobs[:kept]]
         if c.echo is not None:  # the first chunk: the prompt first
             piece, entries, c.echo = c.echo + piece, self.echo_logprobs(c) + entries, None
+            ids = c.prompt + ids
         if self.kind == "text":
             choice = {"index": c.index, "text": piece, "finish_reason": c.tally.finish}
         else:
@@ -419,10 +449,10 @@ class Reply:
             self.role_sent.add(c.index)
             choice = {"index": c.index, "delta": delta, "finish_reason": c.tally.finish}
         choice["logprobs"] = self.logprobs_json(c, entries)
-        choice["token_ids"] = list(msg.token_ids)
+        choice["token_ids"] = ids
         if self.trees:
             t = msg.draft_tree
-            choice["token_texts"] = self.gateway.token_texts(msg.token_ids)
+            choice["token_texts"] = self.gateway.token_texts(ids)
             choice["draft_tree"] = {"token_ids": list(t.token_ids), "token_texts": self.gateway.token_texts(t.token_ids),
                                     "parents": list(t.parents), "speculators": list(t.speculators),
                                     "accepted": list(t.accepted)}
@@ -454,6 +484,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # no such route (404), wrong method (405)
+        allowed = f" (allowed: {e.headers['Allow']})" if e.headers and "Allow" in e.headers else ""
+        error = ApiError.from_http(e.status_code, f"{e.detail}: {request.method} {request.url.path}{allowed}")
+        return JSONResponse(error.body(), status_code=error.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception):  # a bug here: still OpenAI's shape (and logged by uvicorn)
+        error = ApiError(500, f"internal error in the gateway: {type(e).__name__}", "server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError):
@@ -492,6 +533,18 @@ def create_app(gateway: Gateway) -> FastAPI:
                           "default_max_new_tokens": info.default_max_new_tokens,
                           "max_new_tokens_cap": info.max_new_tokens_cap,
                           "chat_template": bool(gateway.tokenizer.chat_template)}}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        return tokenized(gateway, body, await gateway.served(body.model, auth(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        return detokenized(gateway, body, await gateway.served(body.model, auth(request)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer(request: Request):
+        return tokenizer_info(gateway.tokenizer, await gateway.served(None, auth(request)))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

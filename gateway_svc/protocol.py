@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway accepts, and its errors in OpenAI's JSON shape.
 
-Supported beyond text: `logprobs` (completions: the top up to 20; chat: `logprobs` and
-`top_logprobs` up to 20), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
+Supported beyond text: `logprobs` (completions: the top up to 20, and the chosen token when it is
+not among them, as OpenAI's "up to logprobs + 1"; chat: `logprobs` and `top_logprobs` up to 20,
+exactly that many alternatives, as OpenAI's), `echo` (with the prompt's logprobs, also with `max_tokens: 0`), prompts as
 token-id lists and several prompts in one request (completions), and `n` choices per prompt (choice
-j samples with a seed derived from the request's, `choice_seeds`).
+j samples with a seed derived from the request's, `choice_seeds`); how many choices one request may
+ask is the gateway's `--max-choices`.
 `response_format` (both endpoints): `text`, `json_object`, `json_schema` (its `schema` is enforced
 whether `strict` or not), and as extensions `{"type": "regex", "regex": ...}` and
 `{"type": "grammar", "grammar": ...}` (llguidance's Lark syntax); one that does not compile is a 400
@@ -33,7 +35,6 @@ from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
 
 MAX_N = 16  # choices per prompt at most
-MAX_PROMPTS = 64  # prompts in one completions request at most
 GOLDEN = 0x9E3779B97F4A7C15  # choice j's seed: the request's plus j times this, modulo 2**64
 
 
@@ -87,6 +88,13 @@ class ApiError(Exception):
             param = OPENAI_FIELDS.get(head, head)
             details = f"{param}: {rest}"
         return cls(status, details, kind, param, code_name.lower())
+
+    @classmethod
+    def from_http(cls, status: int, message: str) -> ApiError:
+        """An error the web framework raised (no route, wrong method), typed as the same status from the manager."""
+        default = "invalid_request_error" if status < 500 else "server_error"
+        kind = next((k for s, k in STATUS.values() if s == status), default)
+        return cls(status, message, kind)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -207,8 +215,6 @@ class CompletionRequest(_Generation):
         prompts = self.prompts()
         if not prompts or any(not p for p in prompts):
             raise ApiError.bad("prompt", "must not be empty")
-        if len(prompts) > MAX_PROMPTS:
-            raise ApiError.bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
         if self.stream and self.echo and len(prompts) * self.n > 1:
             raise ApiError.bad("echo", "with stream: true, only for one prompt and n = 1")
 

@@ -227,7 +227,7 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"speculation": "9,9"}}, "speculation"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
-    ({"prompt": ""}, "prompt")])
+    ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):
     kw = {"model": "llm", "prompt": "x", "max_tokens": 4, **params}
     with pytest.raises(openai.BadRequestError) as e:
@@ -258,6 +258,54 @@ def test_error_statuses_in_openais_shape(gw):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(request)
     assert e.value.code == 400 and "error" in json.load(e.value)
+
+
+def test_a_batch_of_128_prompts_gives_each_prompts_own_choice(gw, heldout_ids):
+    """lm-evaluation-harness's `--batch_size 128`: 128 token-id prompts in one request (echo, logprobs,
+    as it scores), each choice the prompt sent alone."""
+    c = client(gw["url"])
+    prompts = [ids[:8 + k] for ids in heldout_ids[:32] for k in (0, 3, 6, 9)]
+    kw = {"model": "llm", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    batch = sorted(c.completions.create(prompt=prompts, **kw).choices, key=lambda ch: ch.index)
+    assert [ch.index for ch in batch] == list(range(128))
+    for got, prompt in zip(batch, prompts):
+        (alone,) = c.completions.create(prompt=prompt, **kw).choices
+        assert (got.text, got.logprobs.tokens) == (alone.text, alone.logprobs.tokens)
+        assert got.logprobs.token_logprobs[1:] == pytest.approx(alone.logprobs.token_logprobs[1:], abs=1e-4)
+
+
+def test_a_batch_beyond_the_managers_queue_gets_429_and_leaves_no_request_behind(gw):
+    """The strict manager runs one request and queues one: of three prompts in one request, one is
+    refused, so the client gets 429 for the whole request and the other two are cancelled, not kept
+    running for no one."""
+    c = client(gw["strict"], "sesame")
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="llm", prompt=["def f(x):", "class A:", "import os"], max_tokens=1000,
+                             temperature=0, extra_body={"ignore_eos": True})
+    assert e.value.body["type"] == "rate_limit_error" and "3 choices" in e.value.body["message"]
+    manager = gw["strict_manager"].metrics.removesuffix("/metrics")
+    deadline = time.monotonic() + 30
+    while gateway_metric(manager, "specinfer_requests_running") + waiting(gw["strict_manager"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gateway_metric(manager, "specinfer_requests_running") == waiting(gw["strict_manager"]) == 0
+
+
+def test_unknown_routes_and_wrong_methods_get_openais_error_shape(gw):
+    for method, path, status in (("GET", "/v1/nope", 404), ("POST", "/v1/engines/llm/completions", 404),
+                                 ("GET", "/static/nope.js", 404), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/completions", 405), ("DELETE", "/v1/chat/completions", 405)):
+        request = urllib.request.Request(gw["url"] + path, b"{}" if method != "GET" else None,
+                                         {"Content-Type": "application/json"}, method=method)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request)
+        body = json.load(e.value)
+        assert e.value.code == status, (method, path)
+        assert body.keys() == {"error"} and body["error"].keys() == {"message", "type", "param", "code"}
+        assert f"{method} {path}" in body["error"]["message"]
+        if status == 405:
+            allowed = "GET" if path == "/v1/models" else "POST"
+            assert e.value.headers["Allow"] == allowed and f"allowed: {allowed}" in body["error"]["message"]
 
 
 def test_a_full_queue_gets_429_and_a_slow_request_504(gw):
@@ -326,6 +374,50 @@ def test_a_client_that_disconnects_frees_the_request_on_every_service(gw):
 def gateway_metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url + "/metrics").read().decode()
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def post(url: str, body: dict, token: str = "sesame") -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      "Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_tokenize_counts_as_completions_and_chat_do_and_detokenize_inverts_it(gw, tokenizer):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info with the gateway's own tokenizer (and chat
+    template), as lm-evaluation-harness's remote tokenizer reads them."""
+    from lm_eval.utils import RemoteTokenizer
+
+    url, c = gw["strict"], client(gw["strict"], "sesame")
+    context = c.models.list().data[0].model_extra["specinfer"]["context_length"]
+    text = "def add(a, b):\n    return a + b  # <|endoftext|> é"
+    status, got = post(url + "/tokenize", {"model": "llm", "prompt": text})
+    assert status == 200 and got == {"count": len(got["tokens"]), "max_model_len": context,
+                                     "tokens": tokenizer(text)["input_ids"]}
+    assert c.completions.create(model="llm", prompt=text, max_tokens=1).usage.prompt_tokens == got["count"]
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    status, chat = post(url + "/tokenize", {"messages": messages})
+    assert status == 200 and chat["count"] == c.chat.completions.create(
+        model="llm", messages=messages, max_tokens=1).usage.prompt_tokens
+    bare = post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"]
+    assert post(url + "/detokenize", {"model": "llm", "tokens": bare}) == (200, {"prompt": text})
+
+    remote = RemoteTokenizer(url + "/v1/completions", auth_token="sesame")
+    assert remote.encode(text) == bare and remote.decode(bare) == text
+    assert remote.eos_token_id == tokenizer.eos_token_id
+    info = remote.tokenizer_info
+    assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == context
+
+    for path, body, status, field in (("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+                                      ("/tokenize", {"model": "llm"}, 400, "prompt"),
+                                      ("/tokenize", {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
+                                      ("/detokenize", {"tokens": [0, -1]}, 400, "tokens"),
+                                      ("/detokenize", {"tokens": "12"}, 400, "tokens")):
+        got = post(url + path, body)
+        assert got[0] == status and got[1]["error"]["param"] == field, (path, body, got)
 
 
 def test_models_lists_the_served_model_with_its_speculation_settings(gw):

@@ -162,6 +162,52 @@ def test_completions_echo_gives_the_prompts_logprobs_as_lm_eval_asks(served, hel
         assert out.usage.completion_tokens == 3 * max_tokens
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_completions_top_logprobs_hold_the_chosen_token_as_openai_gives_up_to_logprobs_plus_one(served, heldout_ids,
+                                                                                             top):
+    """Echoed prompt tokens and sampled ones are often not among the best `top`: their own entry is
+    added to the position's alternatives."""
+    import openai
+
+    c = openai.OpenAI(base_url=served.gateway.url + "/v1", api_key="x", max_retries=0)
+    out = c.completions.create(model="llm", prompt=heldout_ids[2][:24], echo=True, logprobs=top, max_tokens=12,
+                               temperature=1.5, seed=5, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    outside = 0
+    for token, logprob, alternatives in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert alternatives[token] == logprob
+        best = sorted(alternatives.values(), reverse=True)[:top]
+        outside += logprob not in best
+        assert len(alternatives) == top + (logprob not in best)
+    assert outside > 0  # the case this is about occurred
+
+
+def test_streamed_token_ids_are_the_tokens_its_text_and_logprobs_hold(served, heldout_ids):
+    """Echo (with max_tokens 0, the generated token is output nowhere) and a stop token id (ends the
+    text before it): each stream's token_ids, text and logprobs name the same tokens."""
+    import openai
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODELS / "llm")
+    c = openai.OpenAI(base_url=served.gateway.url + "/v1", api_key="x", max_retries=0)
+    prompt = heldout_ids[3][:20]
+
+    def stream(**kw) -> tuple[list[int], str, list[str]]:
+        chunks = [ch.choices[0] for ch in c.completions.create(model="llm", prompt=prompt, temperature=0, stream=True,
+                                                               logprobs=1, **kw) if ch.choices]
+        return ([t for ch in chunks for t in ch.model_extra["token_ids"]], "".join(ch.text for ch in chunks),
+                [t for ch in chunks for t in ch.logprobs.tokens])
+
+    greedy, _, _ = stream(max_tokens=8, extra_body={"ignore_eos": True})
+    stop = next(t for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])
+    for kw, want in (({"echo": True, "max_tokens": 0}, prompt), ({"echo": True, "max_tokens": 3}, prompt + greedy[:3]),
+                     ({"max_tokens": 8, "extra_body": {"ignore_eos": True, "stop": [stop]}},
+                      greedy[:greedy.index(stop)])):
+        ids, text, tokens = stream(**kw)
+        assert ids == want, kw
+        assert text == tok.decode(ids, skip_special_tokens=True) and tokens == [tok.decode([t]) for t in ids]
+
+
 def test_n_choices_are_each_the_request_with_its_derived_seed(served, heldout_ids):
     import openai
 
@@ -195,6 +241,11 @@ def test_chat_logprobs_name_each_token_and_its_alternatives(served):
         assert len(e.top_logprobs) == 4
         assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy: the best token
         assert e.token == e.top_logprobs[0].token and bytes(e.bytes).decode() == e.token
+    sampled = c.chat.completions.create(model="llm", messages=[{"role": "user", "content": "hello there"}],
+                                        max_tokens=12, temperature=1.5, seed=5, logprobs=True, top_logprobs=1,
+                                        extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert any(e.token != e.top_logprobs[0].token for e in sampled)  # chosen outside the top 1 ...
+    assert all(len(e.top_logprobs) == 1 for e in sampled)  # ... yet exactly top_logprobs alternatives, as OpenAI's
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model="llm", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     assert err.value.body["param"] == "top_logprobs"
