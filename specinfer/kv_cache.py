@@ -44,14 +44,11 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from .errors import CacheFull
 from .tree import TokenTree
 
 BLOCK_SIZE = 16
 POOL_TOKENS = 65536  # default pool size in token slots
-
-
-class CacheFull(RuntimeError):
-    """The pool has fewer free blocks than a step needs; nothing was changed."""
 
 
 class KVPool:

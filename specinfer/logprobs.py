@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 MAX_TOP = 20  # most alternatives a token's entry lists (OpenAI's limit)
 
 
@@ -27,6 +25,8 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
     """Entry i: the logprob of tokens[i] in logits row rows[i] [R, V], with its tops[i] most likely
     tokens. One copy to the host."""
+    import torch  # on the verifier; the manager and the gateway take MAX_TOP and TokenLogprob without torch
+
     if not rows:
         return []
     dev = logits.device

@@ -6,6 +6,7 @@ whatever was drafted; it knows nothing of grammars, only of masks.
 A mask is packed as grammar engines fill it: bit j of int32 word i allows token 32 i + j. A tree's
 rows repeat few masks (inside a JSON string every row allows the same set), so a step carries each
 distinct mask once and, per row, which one it takes: the root's row first, then each node's.
+The manager builds masks, the verifier applies them (`verifier.apply_masks`); nothing here needs torch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 
 def words_for(vocab_size: int) -> int:
@@ -51,19 +51,3 @@ class AllowedTokens:
             raise ValueError(f"{field}: a mask allows tokens past the vocabulary ({vocab_size})")
         if not np.all(self.words.any(axis=1)):
             raise ValueError(f"{field}: a mask allows no token")
-
-
-def apply_masks(logits: torch.Tensor, rows: list[list[int]], allowed: list[AllowedTokens]) -> None:
-    """Set to -inf, in place, the logits [R, V] of the tokens each row may not take: request i's rows
-    rows[i] (its root's, then its nodes') take allowed[i]'s masks. One host-to-device copy of the
-    distinct masks and one masked write, whatever the batch."""
-    if not allowed:
-        return
-    dev, vocab = logits.device, logits.shape[1]
-    table = torch.from_numpy(np.concatenate([a.words for a in allowed])).to(dev, non_blocking=True)
-    offsets = np.cumsum([0] + [len(a.words) for a in allowed[:-1]])
-    which = torch.tensor([o + k for o, a in zip(offsets, allowed) for k in a.index], device=dev)
-    at = torch.tensor([r for rs in rows for r in rs], device=dev)
-    bits = (table[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1  # [K, W, 32]
-    ok = bits.reshape(len(table), -1)[:, :vocab].bool()  # [K, V]
-    logits[at] = logits[at].masked_fill(~ok[which], float("-inf"))

@@ -38,17 +38,11 @@ from specinfer_kernels import (Capacity, Needs, Staging, TreeBatch, add_rms_norm
 from specinfer_kernels.batch import SCALARS, Shapes
 
 from .checkpoints import checkpoint_dir
+from .errors import check_token_ids
 from .kv_cache import BLOCK_SIZE, POOL_TOKENS, KVCache, KVPool
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
 DRAFT_VOCAB = "draft_vocab.json"  # an SSM checkpoint's draft vocabulary (see `LlamaModel.restrict_vocab`)
-
-
-def check_token_ids(field: str, ids, vocab_size: int) -> None:
-    """Raise ValueError naming `field` if a token id is outside the vocabulary."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{field}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,10 @@ import torch
 
 from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
-from .model import LlamaModel, StepInput, check_token_ids
-from .sampling import SamplingParams, probabilities, sparsify, stream_key, uniform
+from .errors import check_token_ids
+from .model import LlamaModel, StepInput
+from .draws import probabilities, sparsify, uniform
+from .sampling import SamplingParams, stream_key
 from .tree import DraftGroup, TokenTree, merge
 
 DYNAMIC_TOP = 16  # a dynamic tree's candidates per frontier row at most

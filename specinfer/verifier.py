@@ -17,16 +17,18 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
-from .model import LlamaModel, StepInput, check_token_ids, row_starts
+from .errors import check_token_ids
+from .model import LlamaModel, StepInput, row_starts
 from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
 from .acceptance import Verdict, verify_batch
 from .logprobs import MAX_TOP, token_logprobs
-from .masks import AllowedTokens, apply_masks
+from .masks import AllowedTokens
 from .penalties import adjust_logits
 
 
@@ -230,3 +232,19 @@ class Verifier:
                 n = len(v.tokens)
                 v.logprobs, at = entries[at: at + n], at + n
         return verdicts
+
+
+def apply_masks(logits: torch.Tensor, rows: list[list[int]], allowed: list[AllowedTokens]) -> None:
+    """Set to -inf, in place, the logits [R, V] of the tokens each row may not take: request i's rows
+    rows[i] (its root's, then its nodes') take allowed[i]'s masks. One host-to-device copy of the
+    distinct masks and one masked write, whatever the batch."""
+    if not allowed:
+        return
+    dev, vocab = logits.device, logits.shape[1]
+    table = torch.from_numpy(np.concatenate([a.words for a in allowed])).to(dev, non_blocking=True)
+    offsets = np.cumsum([0] + [len(a.words) for a in allowed[:-1]])
+    which = torch.tensor([o + k for o, a in zip(offsets, allowed) for k in a.index], device=dev)
+    at = torch.tensor([r for rs in rows for r in rs], device=dev)
+    bits = (table[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1  # [K, W, 32]
+    ok = bits.reshape(len(table), -1)[:, :vocab].bool()  # [K, V]
+    logits[at] = logits[at].masked_fill(~ok[which], float("-inf"))

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, DTYPES, default_prompts, default_ssms, resolve_device
+from specinfer.checkpoints import DEFAULT_LLM, default_prompts, default_ssms
+from specinfer.devices import DTYPES, resolve_device
 from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig
 from specinfer.model import LlamaModel

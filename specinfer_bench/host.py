@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import fixtures_dir, resolve_device, resolve_dtype
+from specinfer.checkpoints import fixtures_dir
+from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator

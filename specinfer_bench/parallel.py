@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import fixtures_dir, resolve_device
+from specinfer.checkpoints import fixtures_dir
+from specinfer.devices import resolve_device
 from specinfer.kv_cache import POOL_TOKENS
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree

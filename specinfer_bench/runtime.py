@@ -51,7 +51,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, fixtures_dir, resolve_device, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, fixtures_dir, served_ssms
+from specinfer.devices import resolve_device
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.speculator import Speculator

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from specinfer.checkpoints import (DEFAULT_LLM, DTYPES, checkpoint_dir, default_prompts, default_ssms, resolve_dtype,
-                                   same_tokenizer, served_heads, served_ssms)
+from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_prompts, default_ssms, same_tokenizer,
+                                   served_heads, served_ssms)
+from specinfer.devices import DTYPES, resolve_dtype
 from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
 from specinfer.lookup import CHAIN_TOKENS

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specinfer.generate import Generation, Request
+from specinfer.engine import Generation, Request
 from specinfer.tree import parse_expansion
 
 from .convert import grammar_to_pb, sampling_to_pb

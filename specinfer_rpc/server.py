@@ -20,12 +20,12 @@ from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import (
     AlreadyRunning,
+    CacheFull,
     Failed,
     Overloaded,
     VerifierLost,
     VerifierUnavailable,
 )
-from specinfer.kv_cache import CacheFull
 
 from .config import ServerConfig
 from .metrics import serve_metrics

@@ -9,12 +9,14 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DEFAULT_LLM, resolve_device, resolve_dtype, same_tokenizer, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, same_tokenizer, served_ssms
+from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.eagle import EagleHead
 from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
-from specinfer_rpc.config import ModelServerConfig, load_config, option
+from specinfer_rpc.config import load_config, option
+from specinfer_rpc.model_config import ModelServerConfig
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc

@@ -15,7 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree, merge, validate_expansion
-from specinfer_rpc.convert import features_from_pb, sampling_from_pb, tree_to_pb
+from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
+from specinfer_rpc.model_convert import features_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import rpc_errors

@@ -292,7 +292,7 @@ def test_corrupt_features_get_invalid_argument_naming_the_field(head_system, row
 
 @pytest.mark.parametrize("dtype,bytes_per_value", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_features_cross_the_wire_bit_for_bit(dtype, bytes_per_value):
-    from specinfer_rpc.convert import features_from_pb, features_to_pb
+    from specinfer_rpc.model_convert import features_from_pb, features_to_pb
 
     f = Features(7, torch.randn(5, 12).to(dtype))
     pb = features_to_pb(f)

@@ -28,7 +28,8 @@ from specinfer.generate import Engine, Mode, Request
 from specinfer.grammar import Grammars, GrammarSpec
 from specinfer.masks import AllowedTokens, words_for
 from specinfer.model import LlamaModel
-from specinfer.sampling import SamplingParams, probabilities
+from specinfer.draws import probabilities
+from specinfer.sampling import SamplingParams
 from specinfer.tree import DraftGroup, TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 

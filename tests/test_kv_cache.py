@@ -15,7 +15,8 @@ import torch
 
 from manager_svc.__main__ import ManagerConfig
 from specinfer.generate import Engine, Mode, Request
-from specinfer.kv_cache import CacheFull, KVPool, commit_all
+from specinfer.errors import CacheFull
+from specinfer.kv_cache import KVPool, commit_all
 from specinfer.model import LlamaModel
 from specinfer.tree import TokenTree, tree_size
 from specinfer.verifier import Verifier, VerifyRequest

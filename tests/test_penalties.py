@@ -16,7 +16,8 @@ import torch
 
 from specinfer import penalties, verifier
 from specinfer.generate import Engine, Mode, Request, validate
-from specinfer.sampling import SamplingParams, probabilities
+from specinfer.draws import probabilities
+from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 
 from .test_greedy import shipped  # noqa: F401 (a fixture: the shipped fixture models and transformers' LLM)

@@ -9,7 +9,8 @@ import random
 import torch
 from scipy.stats import chisquare, kstest
 
-from specinfer.sampling import _fmix32, _int32, coupled_sample, stream_key, uniform
+from specinfer.draws import _fmix32, _int32, coupled_sample, uniform
+from specinfer.sampling import stream_key
 
 M32 = 0xFFFFFFFF
 

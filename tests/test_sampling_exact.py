@@ -33,7 +33,8 @@ from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig
 from specinfer.kv_cache import KVPool
 from specinfer.model import DRAFT_VOCAB, LlamaModel
-from specinfer.sampling import SamplingParams, probabilities
+from specinfer.draws import probabilities
+from specinfer.sampling import SamplingParams
 
 from .conftest import MODELS, save_random_llama
 

@@ -9,10 +9,12 @@ bound_spin()  # before torch is imported (see openmp.py)
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.checkpoints import DEFAULT_LLM, resolve_device, resolve_dtype
+from specinfer.checkpoints import DEFAULT_LLM
+from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.model import LlamaModel
 from specinfer.verifier import FEATURE_BYTES, Verifier
-from specinfer_rpc.config import ModelServerConfig, load_config, option
+from specinfer_rpc.config import load_config, option
+from specinfer_rpc.model_config import ModelServerConfig
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import run, serve
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc

@@ -16,7 +16,8 @@ import grpc
 from prometheus_client import Gauge, Histogram
 
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.convert import allowed_from_pb, features_to_pb, logprobs_to_pb, sampling_from_pb, tree_from_pb
+from specinfer_rpc.convert import allowed_from_pb, sampling_from_pb, tree_from_pb
+from specinfer_rpc.model_convert import features_to_pb, logprobs_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import Abort, rpc_errors

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from specinfer.kv_cache import CacheFull
+from specinfer.errors import CacheFull
 from specinfer.model import ModelConfig
 from specinfer.parallel import RankLayout, PipelineVerifier, apply_tensor_parallel, init_rank, load_stage
 from specinfer.verifier import FEATURE_BYTES, VerifyRequest, check_feature_layers
