@@ -11,8 +11,8 @@ its defaults), one scenario at a time, each setting side by side in the same run
   the same requests on a pool that holds them all, the preemptions, every block free afterwards;
 - fairness: 8 short requests sent while 32 long streams (1000 tokens) fill a batch of 32, fair
   turns on and off: each short request's time against its time alone;
-- long: a ~6000-token prompt sent while 8 streams run, chunked prefill on and off: the streams'
-  longest wait between two chunks, and the long request's time to first token.
+- long: a ~6000-token prompt sent while 8 streams run, chunked prefill (verifier and speculators)
+  on and off: the streams' longest wait between two chunks, and the long request's time to first token.
 
     python -m specinfer_bench.scheduling --scenarios multiturn,overflow,fairness,long,capacity \\
         --baseline /path/to/main --out bench/results/scheduling_cpu
@@ -53,16 +53,17 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(llm))
 
     def start(self, tag: str, verifier_args: list[str] = (), manager_args: list[str] = (),
-              source: Path | None = None) -> System:
+              source: Path | None = None, speculator_args: list[str] = ()) -> System:
         system = System(log_dir=self.logs / tag)
         head = served_heads()[0]
         layers = ",".join(map(str, head_layers(head, self.llm)))
         verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", self.llm,
                                                              f"--feature-layers={layers}", *verifier_args], 300, source=source)
         specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
-                                                                 "--threads", "1"], 300, source=source),
+                                                                 "--threads", "1", *speculator_args], 300, source=source),
                  system.start("speculator-head", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(head),
-                                                                    "--llm", self.llm, "--threads", "1"], 300, source=source)]
+                                                                    "--llm", self.llm, "--threads", "1", *speculator_args],
+                                   300, source=source)]
         system.start("manager", "manager_svc", ["--port", "0", "--verifier", verifier.address, "--tokenizer", self.llm,
                                                 "--speculators", ",".join(s.address for s in specs), *manager_args],
                      300, source=source)
@@ -202,7 +203,8 @@ def fairness(bench: Bench, longs: list[list[int]], shorts: list[list[int]], shor
 def long_prompt(bench: Bench, streams: list[list[int]], long: list[int]) -> dict:
     out = {"long_prompt_tokens": len(long)}
     for setting, chunk in (("chunked (512)", "512"), ("whole", "0")):
-        system = bench.start(f"long-{chunk}", ["--kv-cache-tokens", "32768"], ["--prefill-chunk", chunk])
+        system = bench.start(f"long-{chunk}", ["--kv-cache-tokens", "32768"], ["--prefill-chunk", chunk],
+                             speculator_args=["--prefill-chunk", chunk])
         try:
             address = system.manager.address
 
