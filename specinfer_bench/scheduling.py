@@ -4,7 +4,8 @@ its defaults), one scenario at a time, each setting side by side in the same run
 
 - multiturn: one chat of 8 turns, the conversation sent again each turn, the prefix cache on and
   off: per turn the prompt, the tokens the cache held, the rows prefilled, the time to first token;
-- capacity: 48 chat requests at once with max_tokens 2048 on a 16384-token pool: the most running
+- capacity: 48 chat requests at once with max_tokens 2048 and replies of 100-300 tokens
+  (`models/smollm2/capacity_prompts.jsonl`) on a 16384-token pool: the most running
   at once and the tokens/s, against the `--baseline` source tree (today's main, which reserves
   prompt + max_tokens up front and takes at most 1024);
 - overflow: 64 requests (ignore_eos) whose whole need is twice the pool: all complete, identical to
@@ -41,6 +42,8 @@ from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 from .report import command_line, machine
 
 GENERAL = Path(__file__).resolve().parent.parent / "models" / "smollm2" / "general_prompts.jsonl"
+# chat requests whose greedy replies on the default LLM measured 100-300 tokens, ending by themselves
+CAPACITY = GENERAL.with_name("capacity_prompts.jsonl")
 
 
 class Bench:
@@ -317,7 +320,8 @@ def main() -> None:
         if scenario == "multiturn":
             results[scenario] = multiturn(bench, 8, args.max_new_tokens)
         elif scenario == "capacity":
-            results[scenario] = capacity(bench, (general + chats)[:48], args.baseline)
+            results[scenario] = capacity(bench, [bench.chat(r["messages"]) for r in read_prompt_file(CAPACITY)],
+                                         args.baseline)
         elif scenario == "overflow":
             results[scenario] = overflow(bench, (general + code + chats)[:64], 128)
         elif scenario == "fairness":
