@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
-from specinfer.engine import SpeculativeEngine
+from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine
 from specinfer.grammar import Grammars
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
@@ -69,7 +69,7 @@ class ManagerConfig(ServerConfig):
                                          "and the socket buffers hold); past it the request is cancelled and the "
                                          "client gets RESOURCE_EXHAUSTED after the queued chunks (0: no cap)")
     max_prefill_tokens: int = option(4096, "prompt tokens admitted per iteration (a chunked prompt counts its first chunk)")
-    prefill_chunk: int = option(512, "a prompt (or a preempted request's record) longer than this goes to the verifier "
+    prefill_chunk: int = option(PREFILL_CHUNK, "a prompt (or a preempted request's record) longer than this goes to the verifier "
                                      "in chunks of this many tokens, one a step beside the running requests' steps, "
                                      "so it does not stall them for its whole prefill (0: whole)")
     default_max_new_tokens: int = option(0, "max_new_tokens when a request leaves it unset (0: the rest of the "

@@ -3,8 +3,9 @@
 A request is sticky to one replica (that replica holds the request's SSM KV cache): it is given
 to the usable replica with the fewest requests when it first drafts, and stays there. When its
 replica breaks (error, end of stream, slow answer) or leaves the DNS answer, the request moves to
-another one on its next draft, which is sent the whole record and prefills it; that step goes
-without its tree. A replica that appears gets new requests first, as it has none.
+another one on its next draft, which is sent the whole record and prefills it (a chunk a draft
+when it is long, speculator.py); those steps go without its tree. A replica that appears gets new
+requests first, as it has none.
 
 The engine sees the same interface as a single `SpeculatorClient` (a drafter).
 """

@@ -39,6 +39,7 @@ from .sampling import SamplingParams
 from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size
 
 MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
+PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager's, for the verifier; the speculators')
 
 
 async def gather(*aws) -> list:

@@ -68,10 +68,10 @@ class FeatureSpeculator(Speculator):
     wants_features = True
 
     def __init__(self, head: EagleHead, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
-                 progress: bool = False, dynamic: bool = False):
+                 progress: bool = False, dynamic: bool = False, prefill_chunk: int = 0):
         # the head runs eagerly: its rows carry hidden vectors beside their tokens, which the
         # padded buffers of a captured graph do not hold
-        super().__init__(head, index, q_top, kv_tokens, GraphConfig(mode="eager"), progress, dynamic)
+        super().__init__(head, index, q_top, kv_tokens, GraphConfig(mode="eager"), progress, dynamic, prefill_chunk)
         self.head = head
         self.width = len(head.head_cfg.layers) * head.head_cfg.target_hidden_size
         self.known: dict[str, _Known] = {}
@@ -89,7 +89,8 @@ class FeatureSpeculator(Speculator):
 
     def _sync(self, batch: list[DraftRequest]) -> list[KVCache]:
         """Take the new tokens and features, drop the last tree, and set the hidden vectors of the
-        pairs to feed: the record's new pairs, or the root's again when nothing new came."""
+        pairs to feed: the record's new pairs (a chunk of them when more are pending), or the root's
+        again when nothing new came."""
         for r in batch:  # all checked before any state changes
             check_token_ids(f"new_token_ids (request {r.request_id})", r.new_tokens, self.model.cfg.vocab_size)
             known = self.known.get(r.request_id)
@@ -117,9 +118,10 @@ class FeatureSpeculator(Speculator):
                 cache.share_prefix()
             if cache.length == len(cache.tokens):  # nothing new: the root's row is needed again
                 cache.length -= 1
-            if r.expansion:  # its pairs are fed now; the root's may be fed again
-                hidden.append(known.of(cache.length, len(cache.tokens), self.width, self.head.dtype, self.head.device))
-                known.forget_before(len(cache.tokens) - 1)
+            if r.expansion:  # its pairs are fed now (a chunk of them when far behind); the root's may be fed again
+                end = cache.length + self._fed(cache)
+                hidden.append(known.of(cache.length, end, self.width, self.head.dtype, self.head.device))
+                known.forget_before(end - 1)
             else:
                 known.forget_before(cache.length)
             caches.append(cache)

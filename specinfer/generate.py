@@ -107,7 +107,8 @@ class Engine:
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
         expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
         constrained requests' grammars (Request.grammar) for the LLM's tokenizer; prefill_chunk:
-        prompts longer than this are prefilled in chunks of it (engine.py; 0: whole)."""
+        prompts longer than this are prefilled in chunks of it, by the verifier and the drafters
+        (engine.py, speculator.py; 0: whole)."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -124,8 +125,8 @@ class Engine:
         adaptive, lookup = adaptive and speculating, lookup and speculating
         # each request's expansion: the server's, chosen per step (None), the whole config, or none
         self.own_expansion = None if adaptive else expansion if speculating else []
-        drafters = [Speculator(m, graphs=graphs, dynamic=dynamic) for m in used] + \
-            [FeatureSpeculator(h, dynamic=dynamic) for h in heads if speculating]
+        drafters = [Speculator(m, graphs=graphs, dynamic=dynamic, prefill_chunk=prefill_chunk) for m in used] + \
+            [FeatureSpeculator(h, dynamic=dynamic, prefill_chunk=prefill_chunk) for h in heads if speculating]
         self.verifier = Verifier(llm, graphs=graphs, feature_layers=heads[0].head_cfg.layers if heads else ())
         self.engine = SpeculativeEngine(
             LocalVerifier(self.verifier),

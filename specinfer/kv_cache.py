@@ -105,7 +105,9 @@ class KVPool:
         return block
 
     def _unindex(self, block: int) -> None:
-        del self.prefix[self.held.pop(block)[0]]
+        """Take the block out of the prefix index, if it is there."""
+        if block in self.held:
+            del self.prefix[self.held.pop(block)[0]]
 
     def blocks_for(self, slots: int) -> int:
         return math.ceil(slots / self.block_size)
@@ -120,14 +122,13 @@ class KVPool:
         indexed (with the prefix cache on; else they leave the index)."""
         for block in reversed(blocks):
             self.holders[block] -= 1
-            if not self.holders[block]:
-                if block not in self.held:
-                    self.free.append(block)
-                elif self.prefix_cache:
-                    self.cached[block] = None
-                else:
-                    self.free.append(block)
-                    self._unindex(block)
+            if self.holders[block]:
+                continue
+            if self.prefix_cache and block in self.held:
+                self.cached[block] = None
+            else:
+                self._unindex(block)
+                self.free.append(block)
 
     def take_row(self) -> int:
         """A row of `tables` for a new cache."""
@@ -221,10 +222,16 @@ class KVCache:
         return hash((self.key, tokens)), tokens
 
     def share_prefix(self) -> int:
-        """A cache whose computed blocks all came from the index (a new one, or one whose record
-        comes in chunks) and whose next tokens are set: take the indexed blocks that hold its next
-        full blocks, all but its last token (whose row the step needs); each hit is checked, tokens
-        and the block before, not trusted to the hash. Returns the tokens taken."""
+        """Take from the prefix index the blocks that already hold this cache's next full blocks of
+        tokens, and count their tokens as committed, so that its step computes only the rest.
+
+        For a cache that holds only blocks taken from the index (a new one, or one whose record
+        comes in chunks and found every block so far there) and whose `tokens` already hold the
+        tokens to come. Blocks are taken in order, from the one after its last, while the index has
+        a block holding exactly the next `block_size` tokens after exactly its own last block
+        (checked, not trusted to the hash); it stops at the first miss, and before the block that
+        holds the record's last token, whose row the step needs. Returns the tokens taken; the
+        pool counts the tokens looked up and those found (`queried_tokens`, `hit_tokens`)."""
         bs, pool = self.pool.block_size, self.pool
         before = self.length
         pool.queried_tokens += len(self.tokens) - before

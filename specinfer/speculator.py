@@ -30,6 +30,13 @@ the fixed tree's would), and the tree is the N best candidates of all levels (cl
 a child never scores above its parent, and ties go to the older node). Choosing needs the scores on
 the host: one small copy per level, which fixed trees do not make.
 
+Long records are fed in chunks (`prefill_chunk`, as the engine chunks the verifier's prefill): a
+request with more pending tokens than a chunk (a long prompt, a request resumed after preemption,
+one drafted for again after many plain steps) feeds a chunk per draft, in the same first forward as
+the other requests' roots, and gets an empty tree until it has caught up. So a long prompt costs
+the batch's other requests at most a chunk's forward per draft, and once caught up it drafts the
+tree a drafter fed the record whole drafts.
+
 Losing a speculator's state only costs speed: the next `draft` recomputes whatever it is missing.
 """
 
@@ -76,10 +83,15 @@ class Speculator:
     wants_features = False  # a feature drafter's subclass reads the LLM's features (feature_drafter.py)
 
     def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
-                 graphs: GraphConfig = GraphConfig(), progress: bool = False, dynamic: bool = False):
-        """dynamic: EAGLE-2's dynamic trees for requests with top-k drafts (see above)."""
+                 graphs: GraphConfig = GraphConfig(), progress: bool = False, dynamic: bool = False,
+                 prefill_chunk: int = 0):
+        """dynamic: EAGLE-2's dynamic trees for requests with top-k drafts; prefill_chunk: the most
+        pending tokens a draft feeds per request (0: all of them); see above."""
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk: must be >= 0, got {prefill_chunk}")
         self.model = model
         self.dynamic = dynamic
+        self.prefill_chunk = prefill_chunk
         self.pool = model.new_pool(kv_tokens)
         self.run = StepRunner(model, self.pool, graphs, progress)  # the model's forward, graphed where it can be
         self.index = index  # keeps each SSM's random draws independent of the others'
@@ -118,21 +130,30 @@ class Speculator:
                 c.length -= 1
         return caches
 
+    def _fed(self, cache: KVCache) -> int:
+        """The pending tokens a draft feeds the cache: all of them, or a chunk when more are pending
+        (the request then gets no tree)."""
+        pending = len(cache.pending)
+        return min(pending, self.prefill_chunk) if self.prefill_chunk else pending
+
     @torch.no_grad()
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
         caches = self._sync(batch)
+        fed = [self._fed(c) for c in caches]
+        behind = [n < len(c.pending) for n, c in zip(fed, caches)]  # fed a chunk: their roots get no children
         keys = [stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 if r.sampling.sampled_drafts else None for r, c in zip(batch, caches)]
-        dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion else None
-                   for r, key in zip(batch, keys)]
+        dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion and not b else None
+                   for r, key, b in zip(batch, keys, behind)]
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
         rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
-        items = [StepInput(caches[row.request], caches[row.request].pending, [], []) for row in rows]
+        items = [StepInput(caches[row.request], caches[row.request].pending[: fed[row.request]], [], [])
+                 for row in rows]
         ids, levels, depth = None, [], 0
         while rows:
             logits = self._forward(items, ids)  # [len(rows), V]: one row per frontier node
-            k = [dynamic[row.request].top if dynamic[row.request] else batch[row.request].expansion[depth]
-                 for row in rows]
+            k = [0 if behind[row.request] else dynamic[row.request].top if dynamic[row.request]
+                 else batch[row.request].expansion[depth] for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
             levels.append((rows, k, children))
             kmax = children[0].shape[1]

@@ -4,15 +4,16 @@ its defaults), one scenario at a time, each setting side by side in the same run
 
 - multiturn: one chat of 8 turns, the conversation sent again each turn, the prefix cache on and
   off: per turn the prompt, the tokens the cache held, the rows prefilled, the time to first token;
-- capacity: 48 chat requests at once with max_tokens 2048 on a 16384-token pool: the most running
+- capacity: 48 chat requests at once with max_tokens 2048 and replies of 100-300 tokens
+  (`models/smollm2/capacity_prompts.jsonl`) on a 16384-token pool: the most running
   at once and the tokens/s, against the `--baseline` source tree (today's main, which reserves
   prompt + max_tokens up front and takes at most 1024);
 - overflow: 64 requests (ignore_eos) whose whole need is twice the pool: all complete, identical to
   the same requests on a pool that holds them all, the preemptions, every block free afterwards;
 - fairness: 8 short requests sent while 32 long streams (1000 tokens) fill a batch of 32, fair
   turns on and off: each short request's time against its time alone;
-- long: a ~6000-token prompt sent while 8 streams run, chunked prefill on and off: the streams'
-  longest wait between two chunks, and the long request's time to first token.
+- long: a ~6000-token prompt sent while 8 streams run, chunked prefill (verifier and speculators)
+  on and off: the streams' longest wait between two chunks, and the long request's time to first token.
 
     python -m specinfer_bench.scheduling --scenarios multiturn,overflow,fairness,long,capacity \\
         --baseline /path/to/main --out bench/results/scheduling_cpu
@@ -41,6 +42,8 @@ from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 from .report import command_line, machine
 
 GENERAL = Path(__file__).resolve().parent.parent / "models" / "smollm2" / "general_prompts.jsonl"
+# chat requests whose greedy replies on the default LLM measured 100-300 tokens, ending by themselves
+CAPACITY = GENERAL.with_name("capacity_prompts.jsonl")
 
 
 class Bench:
@@ -53,16 +56,17 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(llm))
 
     def start(self, tag: str, verifier_args: list[str] = (), manager_args: list[str] = (),
-              source: Path | None = None) -> System:
+              source: Path | None = None, speculator_args: list[str] = ()) -> System:
         system = System(log_dir=self.logs / tag)
         head = served_heads()[0]
         layers = ",".join(map(str, head_layers(head, self.llm)))
         verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", self.llm,
                                                              f"--feature-layers={layers}", *verifier_args], 300, source=source)
         specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
-                                                                 "--threads", "1"], 300, source=source),
+                                                                 "--threads", "1", *speculator_args], 300, source=source),
                  system.start("speculator-head", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(head),
-                                                                    "--llm", self.llm, "--threads", "1"], 300, source=source)]
+                                                                    "--llm", self.llm, "--threads", "1", *speculator_args],
+                                   300, source=source)]
         system.start("manager", "manager_svc", ["--port", "0", "--verifier", verifier.address, "--tokenizer", self.llm,
                                                 "--speculators", ",".join(s.address for s in specs), *manager_args],
                      300, source=source)
@@ -202,7 +206,9 @@ def fairness(bench: Bench, longs: list[list[int]], shorts: list[list[int]], shor
 def long_prompt(bench: Bench, streams: list[list[int]], long: list[int]) -> dict:
     out = {"long_prompt_tokens": len(long)}
     for setting, chunk in (("chunked (512)", "512"), ("whole", "0")):
-        system = bench.start(f"long-{chunk}", ["--kv-cache-tokens", "32768"], ["--prefill-chunk", chunk])
+        # a verify timeout of 3 minutes (default 60 s): a chunk slowed by a shared machine is measured, not failed
+        system = bench.start(f"long-{chunk}", ["--kv-cache-tokens", "32768"],
+                             ["--prefill-chunk", chunk, "--verify-timeout", "180"], speculator_args=["--prefill-chunk", chunk])
         try:
             address = system.manager.address
 
@@ -315,7 +321,8 @@ def main() -> None:
         if scenario == "multiturn":
             results[scenario] = multiturn(bench, 8, args.max_new_tokens)
         elif scenario == "capacity":
-            results[scenario] = capacity(bench, (general + chats)[:48], args.baseline)
+            results[scenario] = capacity(bench, [bench.chat(r["messages"]) for r in read_prompt_file(CAPACITY)],
+                                         args.baseline)
         elif scenario == "overflow":
             results[scenario] = overflow(bench, (general + code + chats)[:64], 128)
         elif scenario == "fairness":

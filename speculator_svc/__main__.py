@@ -12,6 +12,7 @@ from pathlib import Path
 from specinfer.checkpoints import DEFAULT_LLM, same_tokenizer, served_ssms
 from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.eagle import EagleHead
+from specinfer.engine import PREFILL_CHUNK
 from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.model import LlamaModel
 from specinfer.speculator import Speculator
@@ -38,6 +39,10 @@ class SpeculatorConfig(ModelServerConfig):
     dynamic_tree: bool = option(False, "EAGLE-2's dynamic trees for requests with top-k drafts: the manager's expansion "
                                        "read as a budget (its depth and node count), filled with the drafter's most "
                                        "probable paths")
+    prefill_chunk: int = option(PREFILL_CHUNK, "a request with more tokens to catch up on than this (a long prompt) is "
+                                               "fed this many per draft and gets no tree until it has caught up, so it "
+                                               "does not stall the batch's other requests (0: all at once; the "
+                                               "manager's --prefill-chunk does the same on the verifier)")
     port: int = option(50052, "port to listen on (0: any free port)")
 
 
@@ -54,9 +59,11 @@ def build(cfg: SpeculatorConfig) -> list[Speculator]:
     if len({h.head_cfg.layers for h in heads}) > 1:
         raise SystemExit("speculator: every head must read the same layers of the LLM")
     speculators = [Speculator(m, index=i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens, graphs=cfg.graphs(),
-                              progress=True, dynamic=cfg.dynamic_tree) for i, m in enumerate(models)]
+                              progress=True, dynamic=cfg.dynamic_tree, prefill_chunk=cfg.prefill_chunk)
+                    for i, m in enumerate(models)]
     speculators += [FeatureSpeculator(h, index=len(models) + i, q_top=cfg.q_top, kv_tokens=cfg.kv_cache_tokens,
-                                      dynamic=cfg.dynamic_tree) for i, h in enumerate(heads)]
+                                      dynamic=cfg.dynamic_tree, prefill_chunk=cfg.prefill_chunk)
+                    for i, h in enumerate(heads)]
     for spec, name in zip(speculators, cfg.ssm + cfg.head):
         print(f"speculator {Path(name).name}: {spec.run.describe()}", flush=True)
     return speculators

@@ -168,6 +168,39 @@ def test_drafters_take_a_finished_requests_blocks_and_draft_what_a_fresh_one_dra
         assert drafter.pool.hit_tokens >= 16, type(drafter).__name__
 
 
+@pytest.mark.parametrize("chunk", [5])
+@pytest.mark.parametrize("sampling,dynamic", [(SamplingParams(), False), (SamplingParams(), True),
+                                              (SamplingParams(temperature=0.8, seed=3, mss=True), False)],
+                         ids=["greedy", "dynamic", "sampled"])
+def test_a_long_record_is_fed_a_chunk_a_draft_with_empty_trees_then_the_whole_records_tree(
+        fixture_llm, head, chunk, sampling, dynamic):
+    """A drafter (SSM or head) with a prefill chunk c, told a record of which its cache must hold n
+    tokens, feeds c of them per draft and drafts an empty tree for ceil(n / c) - 1 drafts, then the
+    tree a drafter fed the record whole drafts; a short request in the same batch gets its own tree
+    at every draft meanwhile."""
+    from specinfer.speculator import Speculator
+
+    record, short = PROMPTS[0] + list(range(20, 44)), PROMPTS[1][:4]  # short: within a chunk
+    feats, short_feats = record_features(fixture_llm, record), record_features(fixture_llm, short)
+    for make in (lambda **kw: Speculator(fixture_llm, dynamic=dynamic, **kw),
+                 lambda **kw: FeatureSpeculator(head, dynamic=dynamic, **kw)):
+        ask = lambda rid, tokens, f: DraftRequest(rid, tokens, [2, 2, 1], sampling, features=[Features(0, f)] if f is not None else [])
+        whole, alone = make().draft([ask("long", record, feats), ask("short", short, short_feats)])
+        drafter = make(prefill_chunk=chunk)
+        first = drafter.draft([ask("long", record, feats), ask("short", short, short_feats)])
+        n = len(drafter.caches["long"].tokens)
+        drafts, lengths = [first], [drafter.caches["long"].length]
+        for _ in range(-(-n // chunk) - 1):
+            drafts.append(drafter.draft([ask("long", [], None), ask("short", [], None)]))
+            lengths.append(drafter.caches["long"].length)
+        name = type(drafter).__name__
+        assert n > 2 * chunk, name
+        assert [len(t) for t, _ in drafts[:-1]] == [0] * (len(drafts) - 1), name
+        assert lengths[:-1] == [chunk * (i + 1) for i in range(len(drafts) - 1)], name
+        assert (drafts[-1][0].tokens, drafts[-1][0].parents) == (whole.tokens, whole.parents), name
+        assert all((s.tokens, s.parents) == (alone.tokens, alone.parents) for _, s in drafts), name
+
+
 def test_features_of_the_wrong_width_are_refused_naming_the_field(fixture_llm, head):
     spec = FeatureSpeculator(head)
     with pytest.raises(ValueError, match="features"):
@@ -203,14 +236,17 @@ def test_a_head_round_trips_through_the_published_layout(fixture_llm, head, tmp_
         torch.testing.assert_close(a, b, msg=name)
 
 
-@pytest.mark.parametrize("ssms,mode,dynamic", [(0, Mode.TREE, False), (1, Mode.TREE, False), (1, Mode.MERGED, False),
-                                               (0, Mode.TREE, True), (1, Mode.MERGED, True)],
-                         ids=["head", "ssm+head", "merged", "head-dynamic", "merged-dynamic"])
-def test_greedy_output_with_a_head_is_the_llms_own(fixture_llm, head, ssms, mode, dynamic):
+@pytest.mark.parametrize("ssms,mode,dynamic,chunk", [
+    (0, Mode.TREE, False, 0), (1, Mode.TREE, False, 0), (1, Mode.MERGED, False, 0), (0, Mode.TREE, True, 0),
+    (1, Mode.MERGED, True, 0), (1, Mode.TREE, False, 4)],
+    ids=["head", "ssm+head", "merged", "head-dynamic", "merged-dynamic", "ssm+head-prefilled-in-chunks"])
+def test_greedy_output_with_a_head_is_the_llms_own(fixture_llm, head, ssms, mode, dynamic, chunk):
+    """chunk: long prompts prefilled in chunks of it, by the verifier and the drafters."""
     ssm = [LlamaModel.from_pretrained(MODELS / "ssm-0")][:ssms]
     reqs = [Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)]
     plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate(reqs)
-    spec = Engine(fixture_llm, ssm, mode, [2, 2, 1], heads=[head], lookup=True, dynamic=dynamic).generate(reqs)
+    spec = Engine(fixture_llm, ssm, mode, [2, 2, 1], heads=[head], lookup=True, dynamic=dynamic,
+                  prefill_chunk=chunk).generate(reqs)
     assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
     assert sum(g.tree_steps for g in spec) > 0
 

@@ -73,7 +73,7 @@ def test_greedy_output_matches_incremental_decoding(shipped, reference, mode, ex
 
 def test_prompts_prefilled_in_chunks_give_the_same_output_and_no_step_takes_more_than_a_chunk(shipped, reference):
     """Chunked prefill: a prompt longer than the chunk reaches the verifier a chunk a step, beside
-    the other requests' steps, and the output is the LLM's own."""
+    the other requests' steps, and the SSM a chunk a draft; the output is the LLM's own."""
     _, _, llm, ssms = shipped
     prompts, want = reference
     chunk = 16
@@ -81,9 +81,12 @@ def test_prompts_prefilled_in_chunks_give_the_same_output_and_no_step_takes_more
     engine = Engine(llm, ssms, Mode.TREE, [2, 1, 1], prefill_chunk=chunk)
     rows, forward = [], engine.verifier.forward
     engine.verifier.forward = lambda items: rows.extend(len(it.new_tokens) for it in items) or forward(items)
+    ssm = engine.engine.drafters[0].speculator
+    fed, run = [], ssm.run
+    ssm.run = lambda items, ids=None: fed.extend(len(it.new_tokens) for it in items) or run(items, ids)
     gens = engine.generate([Request(p, NEW_TOKENS) for p in prompts])
     assert [g.token_ids for g in gens] == want
-    assert max(rows) == chunk and sum(map(sum, (g.accepted for g in gens))) > 0
+    assert max(rows) == max(fed) == chunk and sum(map(sum, (g.accepted for g in gens))) > 0
 
 
 def test_a_chunk_decides_nothing_and_takes_no_tree(shipped):
