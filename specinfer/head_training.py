@@ -38,6 +38,7 @@ from .checkpoints import checkpoint_dir, llm_file, resolve_dtype, write_base
 from .eagle import EagleHead, HeadConfig, default_layers, save_head
 from .generate import Engine, Mode, Request
 from .head_requests import written_requests
+from .kv_cache import BLOCK_SIZE, POOL_TOKENS
 from .model import LlamaModel
 from .prompts import prompt_ids, read_prompt_file
 from .sampling import SamplingParams
@@ -60,6 +61,7 @@ class HeadRun:
     new_tokens: int = 128  # of each reply
     temperature: float = 0.0  # of the replies (0: greedy)
     generate_batch: int = 64
+    generate_minutes: float = 0.0  # no new batch of replies is started after this (0: all); a rerun makes the rest
     draft_vocab: int = 8192
     ttt: int = 3
     epochs: float = 6.0
@@ -86,12 +88,15 @@ def train_head(run: HeadRun) -> dict:
     check_same_data(work / "data.json", run.data_key())
     device = torch.device(run.device)
     llm, target, tokenizer = load_llm(run.llm, device)
-    engine = Engine(llm, mode=Mode.INCREMENTAL)
-    records = requests(run, engine, tokenizer, work)
+    records = requests(run, llm, tokenizer, work)
     prompts = [prompt_ids(tokenizer, r) for r in records]
     sampling = SamplingParams(temperature=run.temperature, seed=run.seed)
-    seqs = replies(engine, prompts, run.new_tokens, sampling, work / "replies", run.generate_batch)
-    loss_from = [0 if "prompt" in r else len(p) - 1 for r, p in zip(records, prompts)]
+    longest = max(map(len, prompts)) + run.new_tokens + BLOCK_SIZE
+    engine = Engine(llm, mode=Mode.INCREMENTAL, kv_tokens=max(POOL_TOKENS, run.generate_batch * longest))
+    stop = time.monotonic() + run.generate_minutes * 60 if run.generate_minutes else None
+    seqs = replies(engine, prompts, run.new_tokens, sampling, work / "replies", run.generate_batch, stop)
+    del engine  # its KV pool
+    loss_from = [0 if "prompt" in r else len(p) - 1 for r, p in zip(records, prompts)][: len(seqs)]
     print(f"distillation set: {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens "
           f"({sum(len(s) - f for s, f in zip(seqs, loss_from)):,} learnt)", flush=True)
     vocab = draft_vocab(work / "draft_vocab.json", seqs, loss_from, llm.cfg.vocab_size, run.draft_vocab)
@@ -104,7 +109,8 @@ def train_head(run: HeadRun) -> dict:
     if (file := llm_file(run.llm)) is not None:
         write_base(run.out, file, [])
     report = {"llm": run.llm, "head": str(run.out), "steps": done, "of_steps": steps, "sequences": len(seqs),
-              "tokens": sum(map(len, seqs)), "draft_vocab": len(vocab), "layers": layers,
+              "tokens": sum(map(len, seqs)),
+              "reply_tokens": sum(len(s) - len(p) for s, p in zip(seqs, prompts)), "draft_vocab": len(vocab), "layers": layers,
               "loss": losses(work / "loss.jsonl"),
               "agreement": score(run.out, llm, target, tokenizer, run.heldout, device, run.score_tokens)}
     (run.out / "agreement.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -140,7 +146,7 @@ def check_same_data(path: Path, key: dict) -> None:
     path.write_text(json.dumps(key, indent=2) + "\n")
 
 
-def requests(run: HeadRun, engine: Engine, tokenizer, work: Path) -> list[dict]:
+def requests(run: HeadRun, llm: LlamaModel, tokenizer, work: Path) -> list[dict]:
     """The file's first `count` requests (shuffled by the seed when fewer than all), then those the LLM writes,
     written once and kept in work/written.jsonl."""
     records = read_prompt_file(run.requests) if run.requests else []
@@ -149,7 +155,7 @@ def requests(run: HeadRun, engine: Engine, tokenizer, work: Path) -> list[dict]:
     if run.write:
         written = work / "written.jsonl"
         if not written.exists():
-            made = written_requests(engine, tokenizer, run.write, run.seed)
+            made = written_requests(Engine(llm, mode=Mode.INCREMENTAL), tokenizer, run.write, run.seed)
             written.write_text("".join(json.dumps(r) + "\n" for r in made))
         records += read_prompt_file(written)
     if not records:
@@ -158,12 +164,15 @@ def requests(run: HeadRun, engine: Engine, tokenizer, work: Path) -> list[dict]:
 
 
 def replies(engine: Engine, prompts: list[list[int]], new_tokens: int, sampling: SamplingParams, cache: Path,
-            batch: int) -> list[list[int]]:
-    """prompt + the LLM's reply (EOS kept) for each prompt, `batch` at a time, each batch stored once."""
+            batch: int, stop: float | None = None) -> list[list[int]]:
+    """prompt + the LLM's reply (EOS kept) for each prompt, `batch` at a time, each batch stored once; after
+    `stop` (time.monotonic()) no new batch starts: the replies of the prompts before it."""
     cache.mkdir(exist_ok=True)
     out = []
     for i in tqdm(range(0, len(prompts), batch), desc="the LLM's replies", unit="batch"):
         f = cache / f"{i // batch}.pt"
+        if not f.exists() and stop is not None and time.monotonic() > stop:
+            break
         if not f.exists():
             part = prompts[i: i + batch]
             gens = engine.generate([Request(p, new_tokens, dataclasses.replace(sampling, seed=sampling.seed + i + k),
@@ -265,8 +274,9 @@ def fit(head: EagleHead, target, seqs, loss_from, vocab, run: HeadRun, steps: in
 
 
 def losses(log: Path, window: int = 10) -> dict:
-    """The mean loss of the first and of the last `window` steps logged."""
+    """The mean loss of the first and of the last `window` steps logged (of each half, when fewer)."""
     values = [json.loads(line)["loss"] for line in log.read_text().splitlines()] if log.exists() else []
+    window = max(1, min(window, len(values) // 2))
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
     return {"first": mean(values[:window]), "last": mean(values[-window:]), "steps_logged": len(values)}
 

@@ -315,7 +315,7 @@ def cmd_train_head(args) -> int:
         else:
             report = train_head(HeadRun(
                 args.llm, args.out, args.requests, args.count, args.write, heldout, args.new_tokens, args.temperature,
-                args.generate_batch, args.draft_vocab, args.ttt, args.epochs, args.steps, args.batch, args.lr,
+                args.generate_batch, args.generate_minutes, args.draft_vocab, args.ttt, args.epochs, args.steps, args.batch, args.lr,
                 args.noise, args.minutes, args.score_tokens, args.device, args.seed))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}")
@@ -341,6 +341,8 @@ def add_train_head_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=positive_int, default=128, help="of each reply")
     p.add_argument("--temperature", type=float, default=0.0, help="of the replies (0: greedy)")
     p.add_argument("--generate-batch", type=positive_int, default=64, help="requests decoded at once")
+    p.add_argument("--generate-minutes", type=float, default=0.0,
+                   help="no new batch of replies starts after this; training takes what is there (0: all)")
     p.add_argument("--draft-vocab", type=positive_int, default=8192, help="tokens the head drafts from: those the replies use most")
     p.add_argument("--ttt", type=positive_int, default=3, help="training-time test: drafts of each chain trained")
     p.add_argument("--epochs", type=float, default=6.0)
