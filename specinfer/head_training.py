@@ -38,7 +38,7 @@ from .checkpoints import checkpoint_dir, llm_file, resolve_dtype, write_base
 from .eagle import EagleHead, HeadConfig, default_layers, save_head
 from .generate import Engine, Mode, Request
 from .head_requests import written_requests
-from .kv_cache import BLOCK_SIZE, POOL_TOKENS
+from .kv_cache import BLOCK_SIZE
 from .model import LlamaModel
 from .prompts import prompt_ids, read_prompt_file
 from .sampling import SamplingParams
@@ -91,8 +91,7 @@ def train_head(run: HeadRun) -> dict:
     records = requests(run, llm, tokenizer, work)
     prompts = [prompt_ids(tokenizer, r) for r in records]
     sampling = SamplingParams(temperature=run.temperature, seed=run.seed)
-    longest = max(map(len, prompts)) + run.new_tokens + BLOCK_SIZE
-    engine = Engine(llm, mode=Mode.INCREMENTAL, kv_tokens=max(POOL_TOKENS, run.generate_batch * longest))
+    engine = engine_for(llm, prompts, run.new_tokens, run.generate_batch)
     stop = time.monotonic() + run.generate_minutes * 60 if run.generate_minutes else None
     seqs = replies(engine, prompts, run.new_tokens, sampling, work / "replies", run.generate_batch, stop)
     del engine  # its KV pool
@@ -161,6 +160,12 @@ def requests(run: HeadRun, llm: LlamaModel, tokenizer, work: Path) -> list[dict]
     if not records:
         raise ValueError("no requests: give a prompt file (--requests) or ask the LLM to write some (--write)")
     return records
+
+
+def engine_for(llm: LlamaModel, prompts: list[list[int]], new_tokens: int, batch: int) -> Engine:
+    """Incremental decoding with a KV pool for `batch` of the prompts at once (the default pool of SmolLM2
+    in float32 is 3 GB)."""
+    return Engine(llm, mode=Mode.INCREMENTAL, kv_tokens=batch * (max(map(len, prompts)) + new_tokens + BLOCK_SIZE))
 
 
 def replies(engine: Engine, prompts: list[list[int]], new_tokens: int, sampling: SamplingParams, cache: Path,
@@ -305,7 +310,6 @@ def agreement(head: EagleHead, target, seqs: list[list[int]], prompt_lens: list[
 def score(head_dir: Path, llm: LlamaModel, target, tokenizer, heldout: list[Path], device, new_tokens: int) -> dict:
     """The head at `head_dir`'s agreement on each held-out file's code prompts and chat requests apart."""
     head = EagleHead.from_pretrained(head_dir, llm.cfg, llm.embed.weight, dtype=llm.dtype, device=device)
-    engine = Engine(llm, mode=Mode.INCREMENTAL)
     report = {}
     for file in heldout:
         records = read_prompt_file(file)
@@ -313,8 +317,10 @@ def score(head_dir: Path, llm: LlamaModel, target, tokenizer, heldout: list[Path
             if not part:
                 continue
             prompts = [prompt_ids(tokenizer, r) for r in part]
+            engine = engine_for(llm, prompts, new_tokens, len(prompts))
             gens = engine.generate([Request(p, new_tokens, id=str(i)) for i, p in enumerate(prompts)])
             seqs = [p + g.token_ids for p, g in zip(prompts, gens)]
-            report[f"{Path(file).stem}/{kind}"] = {"prompts": len(part), **agreement(head, target, seqs, list(map(len, prompts)))}
-            print(f"{Path(file).stem}/{kind}: {report[f'{Path(file).stem}/{kind}']}", flush=True)
+            name = f"{Path(file).stem}/{kind}"
+            report[name] = {"prompts": len(part), **agreement(head, target, seqs, list(map(len, prompts)))}
+            print(f"{name}: {report[name]}", flush=True)
     return report
