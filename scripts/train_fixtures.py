@@ -44,7 +44,6 @@ import json
 import math
 import random
 import sysconfig
-import time
 import zlib
 from importlib import metadata
 from pathlib import Path
@@ -57,6 +56,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 
 from specinfer.lookup import ContextIndex
 from specinfer.model import DRAFT_VOCAB, read_draft_vocab, spread_vocab
+from specinfer.training import optimize
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "test", "tests", "testing", "idle_test", "__pycache__", "lib2to3"}
@@ -166,47 +166,6 @@ def batches(data: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
     while True:
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=gen)
         yield torch.stack([data[s : s + seq_len] for s in starts.tolist()]).long()
-
-
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
-def optimize(model, loss_of_step, steps, lr, weight_decay, betas, gen, ckpt: Path, desc, every_s=300.0,
-             autocast: bool = True):
-    """AdamW with warmup + cosine decay; loss_of_step() draws its own batch from `gen` and returns the
-    loss, computed under bf16 autocast (twice as fast as fp32 on a CPU with AVX512-BF16; `autocast`
-    False: in float32, faster on a CPU without it). The model,
-    the optimizer and `gen` are saved to `ckpt` every `every_s` seconds and the run resumes from there."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
-    start = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        start = state["step"]
-    model.train()
-    bar = tqdm(range(start, steps), desc=desc, initial=start, total=steps)
-    saved = time.monotonic()
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # fp32 weights and optimizer, bf16 matmuls
-            loss = loss_of_step()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if time.monotonic() - saved > every_s or step + 1 == steps:
-            state = {"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step + 1}
-            torch.save(state, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)
-            saved = time.monotonic()
-    model.eval()
 
 
 def train_lm(model, data, steps, seq_len, batch, lr, gen, ckpt, desc):

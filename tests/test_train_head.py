@@ -1,0 +1,112 @@
+"""`specinfer train-head` end to end on the test fixtures, as a user runs it (a real subprocess on the CPU),
+and the repository's request set."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specinfer.checkpoints import BASE, checkpoint_dir, default_requests, models_dir, write_base
+from specinfer.eagle import EagleHead
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel
+from specinfer.prompts import read_prompt_file
+
+from .conftest import MODELS, ROOT
+from .test_gguf import write_gguf
+
+
+def train_head(out: Path, requests: Path, heldout: Path, steps: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "specinfer_cli", "train-head", "--llm", str(MODELS / "llm"),
+                           "--out", str(out), "--requests", str(requests), "--heldout", str(heldout),
+                           "--new-tokens", "16", "--score-tokens", "16", "--batch", "2", "--steps", str(steps),
+                           "--draft-vocab", "512"],
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, heldout_prompts):
+    """A head trained for 4 steps, then the same command rerun for 8: (out, heldout records, replies' mtimes
+    after the first run)."""
+    tmp = tmp_path_factory.mktemp("train-head")
+    source = [line for f in sorted((ROOT / "specinfer").glob("*.py")) for line in f.read_text().splitlines(keepends=True)]
+    requests = tmp / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"id": str(k), "prompt": "".join(source[i: i + 3])}) + "\n"
+                                for k, i in enumerate(range(0, 8 * 50, 50))))
+    heldout = tmp / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"][-120:]}) + "\n" for r in heldout_prompts[:2]))
+    out = tmp / "head"
+    train_head(out, requests, heldout, 4)
+    replies = {p: p.stat().st_mtime_ns for p in (out / "train" / "replies").iterdir()}
+    train_head(out, requests, heldout, 8)
+    return out, read_prompt_file(heldout), replies
+
+
+def logged_losses(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train" / "loss.jsonl").read_text().splitlines()]
+
+
+def test_a_rerun_continues_training_where_the_run_stopped(trained):
+    out, _, replies = trained
+    assert [r["step"] for r in logged_losses(out)] == list(range(8))  # steps 0-3, then 4-7: none twice
+    assert {p: p.stat().st_mtime_ns for p in (out / "train" / "replies").iterdir()} == replies  # not generated again
+    assert json.loads((out / "agreement.json").read_text())["steps"] == 8
+
+
+def test_the_loss_falls(trained):
+    loss = [r["loss"] for r in logged_losses(trained[0])]
+    assert sum(loss[-2:]) < sum(loss[:2])
+
+
+def test_agreement_is_scored_on_the_heldout_requests(trained):
+    report = json.loads((trained[0] / "agreement.json").read_text())
+    scored = report["agreement"]["heldout/code"]
+    assert scored["prompts"] == 2 and scored["positions"] > 0 and 0 <= scored["first_token"] <= 1
+    assert report["draft_vocab"] == 512
+
+
+def test_the_written_head_loads_and_drafts_and_greedy_output_is_unchanged(trained):
+    out, heldout, _ = trained
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    head = EagleHead.from_pretrained(out, llm.cfg, llm.embed.weight)
+    assert head.head_cfg.draft_vocab_size == 512
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / "llm")
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in heldout]
+    requests = [Request(p, 16, id=str(i)) for i, p in enumerate(prompts)]
+    drafted = Engine(llm, mode=Mode.TREE, expansion=[2, 1], heads=[head]).generate(requests)
+    plain = Engine(llm, mode=Mode.INCREMENTAL).generate(requests)
+    assert [g.token_ids for g in drafted] == [g.token_ids for g in plain]
+    assert sum(g.tree_steps for g in drafted) > 0
+
+
+def test_a_head_of_a_gguf_llm_completes_once(trained, tmp_path):
+    """A head beside a GGUF LLM holds base.json; completed, it is a plain directory that loads as it is."""
+    out = trained[0]
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(out / name, head / name)
+    write_base(head, write_gguf(MODELS / "llm", tmp_path / "llm.gguf"), [])
+    done = checkpoint_dir(head)
+    assert done != head and not (done / BASE).exists()
+    assert checkpoint_dir(done) == done
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    assert EagleHead.from_pretrained(head, llm.cfg, llm.embed.weight).head_cfg.draft_vocab_size == 512
+
+
+def test_the_request_set_is_large_and_holds_no_heldout_request():
+    train = read_prompt_file(default_requests())
+    assert len(train) >= 20_000
+    text = lambda r: r.get("prompt") or r["messages"][-1]["content"]  # noqa: E731
+    heldout = {text(r) for f in models_dir().rglob("*.jsonl") if f != default_requests() for r in read_prompt_file(f)}
+    assert len(heldout) >= 64
+    assert not {text(r) for r in train} & heldout
