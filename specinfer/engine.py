@@ -430,22 +430,21 @@ class SpeculativeEngine:
                 tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server],
                 asked=[s.id in asked for s, _ in on_server],
                 chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
-        out = []
+        out, outcomes = [], {}  # drafter number -> (accepted depth, tree depth) of its tree alone, per request
         for s, v in zip(batch, verified):
             if v.features is not None:
                 s.features.append(v.features)
             if s.done:  # cancelled while the step ran
                 continue
-            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}), forced.get(s.id, ()))))
+            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}), forced.get(s.id, ()),
+                                        outcomes)))
         if self.controller is not None:
-            self.controller.record_drafters(
-                {i: [(c.drafters[i][0], max(depths(sources[s.id][i].parents))) for s, c in out if i in c.drafters]
-                 for i in range(len(self.drafters))})
+            self.controller.record_drafters(outcomes)
         self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s)
         return out
 
     def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree],
-                forced: list[int]) -> Chunk:
+                forced: list[int], outcomes: dict[int, list[tuple[int, int]]]) -> Chunk:
         tokens = v.tokens
         s.verifier_has = s.length + len(tokens)
         if not s.steps:
@@ -466,12 +465,16 @@ class SpeculativeEngine:
                       prompt_logprobs=v.prompt_logprobs)
         if tree is None:
             return chunk
-        path = path_along(tree, tokens[:-1])
         for i, own in sources.items():  # how deep the LLM accepted each drafter's tree alone
-            chunk.drafters[i] = (len(path_along(own, tokens[:-1])), len(own))
-            if i in s.by_drafter:
-                s.by_drafter[i].record([(chunk.drafters[i][0], max(depths(own.parents)))])
+            hit = len(path_along(own, tokens[:-1]))
+            chunk.drafters[i] = (hit, len(own))
+            if i < len(self.drafters):  # a speculator's: its own figures and the pooled ones
+                outcome = (hit, max(depths(own.parents)))
+                outcomes.setdefault(i, []).append(outcome)
+                if i in s.by_drafter:
+                    s.by_drafter[i].record([outcome])
         if forced:
+            path = path_along(tree, tokens[:-1])
             chunk.drafters[len(self.drafters) + 1] = (len(set(path) & set(forced)), len(forced))
         if s.want_trees:
             chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
