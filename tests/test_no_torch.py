@@ -14,14 +14,14 @@ from specinfer_rpc.launch import System
 from .conftest import MODELS
 from .services import reference_greedy
 
-# Python runs sitecustomize at start: from then on torch is as absent as in the images (importing it
-# fails, and importlib.util.find_spec, which transformers asks, says it is not there), and the
-# process says it ran
+# Python runs sitecustomize at start: from then on torch, and the packages only torch needs, are as
+# absent as in the images (importing them fails, and importlib.util.find_spec, which transformers
+# asks, says they are not there), and the process says it ran
 BLOCKER = """
 import importlib.abc, importlib.util, os, sys
 
 def absent(name):
-    return name.split(".")[0] == "torch"
+    return name.split(".")[0] in ("torch", "sympy", "mpmath", "networkx")
 
 class NoTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
