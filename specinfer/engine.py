@@ -75,6 +75,8 @@ class Generation:
     no_tree_reason: str = ""  # why most of the other steps had none
     logprobs: list | None = None  # of each token, if asked (logprobs.TokenLogprob)
     prompt_logprobs: list | None = None  # of the prompt's tokens but the first, if asked
+    # each drafter's own (accepted, drafted) nodes over the request, numbered as Chunk.drafters
+    drafters: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> float:

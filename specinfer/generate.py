@@ -148,25 +148,32 @@ class Engine:
             s.constraint = self.engine.constraint(s.request)
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), disable=not progress, unit="tok")
         logprobs: dict = {}
+        drafters: dict = {s.id: {} for s in seqs}
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # the usual case: no event loop in this thread
-            asyncio.run(self._run(seqs, bar, logprobs))
+            asyncio.run(self._run(seqs, bar, logprobs, drafters))
         else:  # called from a coroutine: the engine's loop runs in a thread of its own
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                pool.submit(asyncio.run, self._run(seqs, bar, logprobs)).result()
+                pool.submit(asyncio.run, self._run(seqs, bar, logprobs, drafters)).result()
         bar.close()
         return [Generation(s.id, s.generated, s.finish_reason, s.steps, s.accepted, s.tree_steps,
-                           s.no_tree.most_common(1)[0][0] if s.no_tree else "", *logprobs.get(s.id, (None, None)))
+                           s.no_tree.most_common(1)[0][0] if s.no_tree else "", *logprobs.get(s.id, (None, None)),
+                           drafters[s.id])
                 for s in seqs]
 
-    async def _run(self, seqs: list[Sequence], bar, logprobs: dict) -> None:
-        """Step until every sequence is done; `logprobs` gets the (logprobs, prompt logprobs) asked for."""
+    async def _run(self, seqs: list[Sequence], bar, logprobs: dict, drafters: dict) -> None:
+        """Step until every sequence is done; `logprobs` gets the (logprobs, prompt logprobs) asked for,
+        `drafters` each drafter's (accepted, drafted) nodes."""
         live = list(seqs)
         while live:
             for s, event in await self.engine.iteration(live):
                 if isinstance(event, Exception):
                     raise event
+                tally = drafters[s.id]
+                for number, (hit, drafted) in event.drafters.items():
+                    was = tally.get(number, (0, 0))
+                    tally[number] = (was[0] + hit, was[1] + drafted)
                 if s.request.logprobs or s.request.prompt_logprobs:
                     mine = logprobs.setdefault(s.id, ([] if s.request.logprobs else None, None))
                     if event.logprobs is not None:

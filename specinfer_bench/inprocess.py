@@ -28,11 +28,12 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
         max_new_tokens: int, temperature: float, lookup: bool = False, mss: bool = False, heads=(),
         adaptive: bool = False, dynamic: bool = False) -> tuple[list[list[int]], dict]:
     """Outputs and figures: tokens, LLM forwards (prefill included), per-request seconds, and the
-    acceptance by depth (share of steps whose accepted path reached depth d). heads: feature
+    acceptance by depth (share of steps whose accepted path reached depth d), each drafter's
+    [accepted, drafted] nodes (numbered as Chunk.drafters: the SSMs, the heads, lookup). heads: feature
     drafters beside the SSMs; adaptive: the controller picks each step's depth of `expansion`;
     dynamic: the drafters' dynamic trees."""
     engine = Engine(llm, ssms, mode, expansion, lookup=lookup, heads=list(heads), adaptive=adaptive, dynamic=dynamic)
-    outs, seconds, forwards = [], [], 0
+    outs, seconds, forwards, drafters = [], [], 0, {}
     reached = [0] * len(expansion)  # deeper where a step accepted more (a lookup chain may outgrow the expansion)
     for i, p in enumerate(prompts):
         start = time.perf_counter()
@@ -44,8 +45,10 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
             reached += [0] * (a - len(reached))
             for d in range(a):
                 reached[d] += 1
+        for number, (hit, drafted) in g.drafters.items():
+            drafters[number] = [x + y for x, y in zip(drafters.get(number, (0, 0)), (hit, drafted))]
     return outs, {"tokens": sum(map(len, outs)), "forwards": forwards, "request_seconds": seconds,
-                  "acceptance_by_depth": [r / max(forwards, 1) for r in reached]}
+                  "acceptance_by_depth": [r / max(forwards, 1) for r in reached], "drafters": drafters}
 
 
 def reference_greedy(llm_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

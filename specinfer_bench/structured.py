@@ -1,40 +1,47 @@
-"""Structured output through the real services: JSON Schema requests, constrained, with speculation
-off and with the server's default speculation (the drafters, context lookup and the grammar's own
-drafts), against the same prompts unconstrained, at several concurrencies.
+"""Structured output as users send it: JSON Schema chat requests through the OpenAI gateway with
+the openai client, constrained, with speculation off and with the server's default speculation (the
+drafters, context lookup and the grammar's own drafts), against the same prompts unconstrained, at
+several concurrencies.
 
 Starts the verifier (with the head's feature layers), SSM 0's speculator and the head's, as
-`specinfer serve` does on the default LLM, then one manager per (setting, concurrency). Each
-request is a chat request from `bench/json_schemas.jsonl`, sent with its schema as the response
-format (`json_schema`), or without (`free`). Greedy; before timing, the
-constrained outputs with speculation must equal those without and each must parse and validate.
-Each round sends every request at each setting; rounds are interleaved (this machine's speed
-drifts), every other one in reverse order, medians reported. Each manager logs its
-per-iteration split on exit, among it the constrained requests' grammar time.
+`specinfer serve` does on the default LLM, then one manager and its gateway per (setting,
+concurrency). Each request is a chat request from `bench/json_schemas.jsonl`, sent with its schema as
+the response format (`json_schema`), or without (`free`). Greedy; before timing, the constrained
+outputs with speculation must equal those without, and each is checked against its schema. Each
+round sends every request at each setting; rounds are interleaved (this machine's speed drifts),
+every other one in reverse order, medians reported. Each manager logs its per-iteration split on
+exit, among it the constrained requests' grammar time.
+
+`--noisy-neighbour`: a process spinning on one core for the whole run, as another tenant's job on a
+shared machine (the services' timings, and so the adaptive controller's, get noisy).
 
     python -m specinfer_bench.structured --out bench/results/structured_cpu
+    python -m specinfer_bench.structured --concurrency 1 --configs off,spec --noisy-neighbour \
+        --out bench/results/structured_noisy_cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import jsonschema
+import openai
 from tqdm import tqdm
 
 from specinfer.checkpoints import DEFAULT_LLM, served_heads, served_ssms
 from specinfer.eagle import head_layers
-from specinfer.generate import Request
-from specinfer.grammar import GrammarSpec
-from specinfer_rpc.client import connect, generate, request_pb
 from specinfer_rpc.launch import System
 
-from .inprocess import load_prompt_ids
 from .report import command_line, machine
 from .services import manager_stats
 
@@ -50,58 +57,79 @@ def read_schemas(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def chat_records(entries: list[dict]) -> list[dict]:
-    """Each entry's request as a chat message; the schema travels as the response format, as OpenAI's
-    clients send it (written into the prompt, the small LLM copies the schema itself when unconstrained)."""
-    return [{"messages": [{"role": "user", "content": e["prompt"]}]} for e in entries]
+def chat_messages(entry: dict) -> list[dict]:
+    return [{"role": "user", "content": entry["prompt"]}]
 
 
-def requests_for(prompts: list[list[int]], entries: list[dict], constrained: bool, max_new_tokens: int) -> list[Request]:
-    return [Request(p, max_new_tokens, grammar=GrammarSpec("json_schema", json.dumps(e["schema"])) if constrained
-                    else None, id=f"{e['name']}-{i}") for i, (p, e) in enumerate(zip(prompts, entries))]
+def chat_body(entry: dict, constrained: bool, max_new_tokens: int) -> dict:
+    """The request as an OpenAI chat client sends it: the schema travels as the response format
+    (written into the prompt, the small LLM copies the schema itself when unconstrained)."""
+    body = {"messages": chat_messages(entry), "max_tokens": max_new_tokens, "temperature": 0}
+    if constrained:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": entry["name"], "schema": entry["schema"]}}
+    return body
 
 
-async def drive(address: str, requests: list[Request], speculation: str | None, concurrency: int) -> tuple[dict, list]:
-    """Every request, `concurrency` streams at a time; the figures and each request's stream."""
-    stub = connect(address)
-    queue, streams = list(enumerate(requests)), [None] * len(requests)
+async def drive(url: str, entries: list[dict], constrained: bool, speculation: str | None, max_new_tokens: int,
+                concurrency: int) -> tuple[dict, list[str]]:
+    """Every request through the gateway, `concurrency` streams at a time; the figures and each reply."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    model = (await client.models.list()).data[0].id
+    extra = {"speculation": speculation} if speculation else {}
+    queue, replies, tokens, steps = list(enumerate(entries)), [""] * len(entries), [0], [0]
 
     async def stream():
         while queue:
-            i, r = queue.pop(0)
-            streams[i] = await generate(stub, request_pb(r, speculation), timeout=900)
+            i, e = queue.pop(0)
+            r = await client.chat.completions.create(model=model, **chat_body(e, constrained, max_new_tokens),
+                                                     extra_body=extra)
+            replies[i] = r.choices[0].message.content
+            tokens[0] += r.usage.completion_tokens
+            steps[0] += r.usage.model_extra["speculation"]["verifier_steps"]
 
     start = time.perf_counter()
-    await asyncio.gather(*(stream() for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+    finally:
+        await client.close()
     seconds = time.perf_counter() - start
-    tokens = sum(len(s.token_ids) for s in streams)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "tokens_per_step": tokens / sum(s.usage.verifier_steps for s in streams)}, streams
+    return {"tokens": tokens[0], "seconds": seconds, "tokens_per_s": tokens[0] / seconds,
+            "tokens_per_step": tokens[0] / steps[0]}, replies
 
 
-def check(entries: list[dict], streams: list, decode) -> int:
-    """How many outputs parse and validate against their schema (a reply cut by max_new_tokens does not)."""
+def check(entries: list[dict], replies: list[str]) -> int:
+    """How many replies parse and validate against their schema (a reply cut by max_new_tokens does not)."""
     valid = 0
-    for e, s in zip(entries, streams):
+    for e, reply in zip(entries, replies):
         try:
-            jsonschema.validate(json.loads(decode(s.token_ids)), e["schema"])
+            jsonschema.validate(json.loads(reply), e["schema"])
             valid += 1
         except (json.JSONDecodeError, jsonschema.ValidationError):
             pass
     return valid
 
 
-def measure(llm: str, entries: list[dict], levels: list[int], max_new_tokens: int, rounds: int) -> tuple[list[dict], dict]:
-    from transformers import AutoTokenizer
+@contextlib.contextmanager
+def noisy_neighbour(on: bool):
+    """A process spinning on one core (the first this process may use) while the block runs."""
+    if not on:
+        yield
+        return
+    core = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
-    from specinfer.checkpoints import checkpoint_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(llm))
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    prompts = load_prompt_ids(llm, chat_records(entries))
+def measure(llm: str, entries: list[dict], configs: list[str], levels: list[int], max_new_tokens: int, rounds: int,
+            neighbour: bool) -> tuple[list[dict], dict]:
     logs = Path(tempfile.mkdtemp(prefix="specinfer-structured-"))
     system = System(log_dir=logs)
-    managers, runs, valid = {}, {}, {}
+    managers, gateways, runs, valid = {}, {}, {}, {}
     try:
         heads = served_heads()
         layers = ",".join(map(str, head_layers(heads[0], llm)))
@@ -111,32 +139,35 @@ def measure(llm: str, entries: list[dict], levels: list[int], max_new_tokens: in
                                                                  "--threads", "1"], 120),
                  system.start("speculator-head-0", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(heads[0]),
                                                                       "--llm", llm, "--threads", "1"], 120)]
-        for config in CONFIGS:
+        for config in configs:
             for c in levels:
+                name = f"{config}-{c}"
                 managers[config, c] = system.start(
-                    f"manager-{config}-{c}", "manager_svc",
+                    f"manager-{name}", "manager_svc",
                     ["--port", "0", "--verifier", verifier.address, "--tokenizer", llm, "--max-batch", "64",
                      "--speculators", ",".join(s.address for s in specs)], 120)
-        outputs = {}
-        for config in ("off", "spec"):  # exactness before any figure
-            constrained, speculation = CONFIGS[config]
-            _, streams = asyncio.run(drive(managers[config, levels[0]].address,
-                                           requests_for(prompts, entries, constrained, max_new_tokens), speculation,
-                                           levels[0]))
-            outputs[config] = [s.token_ids for s in streams]
-            valid[config] = check(entries, streams, decode)
-        if outputs["spec"] != outputs["off"]:
-            raise SystemExit("constrained outputs differ with speculation; no figures reported")
-        bar = tqdm(total=rounds * len(managers), unit="run", desc="structured")
-        order = list(managers.items())
-        for r in range(rounds):
-            for (config, c), manager in (order if r % 2 == 0 else order[::-1]):
+                gateways[config, c] = system.start(
+                    f"gateway-{name}", "gateway_svc",
+                    ["--port", "0", "--manager", managers[config, c].address, "--tokenizer", llm], 120, http="http")
+        with noisy_neighbour(neighbour):
+            outputs = {}
+            for config in ("off", "spec"):  # exactness before any figure
                 constrained, speculation = CONFIGS[config]
-                figures, _ = asyncio.run(drive(manager.address, requests_for(prompts, entries, constrained, max_new_tokens),
-                                               speculation, c))
-                runs.setdefault((config, c), []).append(figures)
-                bar.update()
-        bar.close()
+                _, replies = asyncio.run(drive(gateways[config, levels[0]].url, entries, constrained, speculation,
+                                               max_new_tokens, levels[0]))
+                outputs[config] = replies
+                valid[config] = check(entries, replies)
+            if outputs["spec"] != outputs["off"]:
+                raise SystemExit("constrained outputs differ with speculation; no figures reported")
+            bar = tqdm(total=rounds * len(gateways), unit="run", desc="structured")
+            order = list(gateways.items())
+            for r in range(rounds):
+                for (config, c), gateway in (order if r % 2 == 0 else order[::-1]):
+                    constrained, speculation = CONFIGS[config]
+                    figures, _ = asyncio.run(drive(gateway.url, entries, constrained, speculation, max_new_tokens, c))
+                    runs.setdefault((config, c), []).append(figures)
+                    bar.update()
+            bar.close()
     finally:
         system.stop()  # managers log their per-iteration split on the way out
     rows = []
@@ -152,12 +183,15 @@ def measure(llm: str, entries: list[dict], levels: list[int], max_new_tokens: in
 def markdown(rows: list[dict], meta: dict) -> str:
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == "off"}
     lines = [f"`{meta['command']}` on {meta['machine']}", "",
-             f"{meta['requests']} JSON Schema chat requests (`bench/json_schemas.jsonl`), greedy, at most "
+             f"{meta['requests']} JSON Schema chat requests (`{meta['schemas']}`) through the OpenAI gateway "
+             "with the openai client, greedy, at most "
              f"{meta['max_new_tokens']} tokens; medians of {meta['rounds']} interleaved rounds. off: constrained, "
              "speculation off; spec: constrained, the server's default speculation (SSM 0, the head, context lookup, "
              "the grammar's forced tokens); free: the same prompts without the response format, default speculation. "
              f"Constrained outputs that parse and validate: off {meta['valid']['off']}, spec {meta['valid']['spec']} "
-             f"of {meta['requests']} (the rest cut by max_new_tokens); outputs with speculation identical to off.", "",
+             f"of {meta['requests']} (the rest cut by max_new_tokens); outputs with speculation identical to off."
+             + (" **Noisy neighbour**: a process spinning on one of the 2 cores for the whole run." if meta["neighbour"]
+                else ""), "",
              "| config | streams | tok/s | vs off | tokens/step | manager ms/iteration | grammar ms/iteration | grammar share |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -176,8 +210,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     levels = sorted({r["concurrency"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.8 / len(CONFIGS)
-    for i, config in enumerate(CONFIGS):
+    configs = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    width = 0.8 / len(configs)
+    for i, config in enumerate(configs):
         mine = {r["concurrency"]: r for r in rows if r["config"] == config}
         xs = [j + i * width for j in range(len(levels))]
         axes[0].bar(xs, [mine[c]["tokens_per_s"] for c in levels], width, label=config)
@@ -195,16 +230,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llm", default=DEFAULT_LLM)
     p.add_argument("--schemas", type=Path, default=SCHEMAS, help="JSONL: name, prompt, schema (and an example)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)} (off and spec always run)")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--noisy-neighbour", action="store_true", help="a process spinning on one core for the whole run")
     p.add_argument("--out", type=Path, default=Path("bench/results/structured_cpu"))
     args = p.parse_args()
     entries = read_schemas(args.schemas)
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(f"--configs: {', '.join(sorted(unknown))} not among {', '.join(CONFIGS)}")
+    configs = sorted({"off", "spec", *args.configs.split(",")}, key=list(CONFIGS).index)
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows, found = measure(args.llm, entries, levels, args.max_new_tokens, args.rounds)
+    rows, found = measure(args.llm, entries, configs, levels, args.max_new_tokens, args.rounds, args.noisy_neighbour)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.structured", None),
-            "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, **found}
+            "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "neighbour": args.noisy_neighbour,
+            "schemas": os.path.relpath(args.schemas), **found}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(rows, meta))

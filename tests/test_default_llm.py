@@ -130,13 +130,13 @@ def test_constrained_output_is_exact_with_the_head_and_validates(tokenizer, llm)
 
     from specinfer.eagle import EagleHead
     from specinfer.grammar import Grammars, GrammarSpec
-    from specinfer_bench.structured import SCHEMAS, chat_records, read_schemas
+    from specinfer_bench.structured import SCHEMAS, chat_messages, read_schemas
 
     entries = [e for e in read_schemas(SCHEMAS) if e["name"] in ("person_extract", "sentiment", "address")]
     grammars = Grammars(Tokenizer.from_file(str(checkpoint_dir(DEFAULT_LLM) / "tokenizer.json")).to_str(),
                         llm.cfg.vocab_size, list(llm.cfg.eos_token_ids))
-    requests = [Request(prompt_ids(tokenizer, r), 160, id=e["name"], grammar=GrammarSpec("json_schema", json.dumps(e["schema"])))
-                for e, r in zip(entries, chat_records(entries))]
+    requests = [Request(prompt_ids(tokenizer, {"messages": chat_messages(e)}), 160, id=e["name"],
+                        grammar=GrammarSpec("json_schema", json.dumps(e["schema"]))) for e in entries]
     plain = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate(requests)
     head = EagleHead.from_pretrained(served_heads()[0], llm.cfg, llm.embed.weight, llm.dtype)
     spec = Engine(llm, [LlamaModel.from_pretrained(served_ssms()[0])], Mode.TREE, [2, 1, 1], lookup=True,

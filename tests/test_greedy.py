@@ -131,6 +131,11 @@ def test_a_drafter_that_never_agrees_is_cut_off_per_request_and_the_output_stays
     for g in gens:
         assert drafted[0][g.id] >= 0.9 * g.steps - 1
         assert drafted[1][g.id] <= 6 + g.steps / PROBE, (drafted, g.steps)
+        # each drafter's own tally over the request: every accepted draft token was on some drafter's
+        # own accepted path, and the junk drafter's own acceptance is the lower
+        (hit0, nodes0), (hit1, nodes1) = g.drafters[0], g.drafters[1]
+        assert sum(g.accepted) <= hit0 + hit1 and hit0 <= nodes0 and hit1 <= nodes1, g.drafters
+        assert hit1 / nodes1 < hit0 / nodes0, g.drafters
 
 
 def test_greedy_output_matches_incremental_decoding_through_static_buffers(shipped, reference):

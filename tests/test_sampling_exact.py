@@ -214,10 +214,12 @@ def test_a_seed_gives_the_same_tokens_whatever_the_speculation_and_the_batch(mod
     setting, alone and in a crowd; another seed gives others."""
     if models == "markov":
         llm, ssms = MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM]
-    else:
+        settings = SETTINGS
+    else:  # the real runner (KV cache, tree attention): one setting of each kind of drafting
         llm, ssms = LlamaModel.from_pretrained(MODELS / "llm"), [LlamaModel.from_pretrained(MODELS / f"ssm-{i}")
                                                                  for i in range(2)]
-    out = seeded_tokens(llm, ssms)
+        settings = {k: SETTINGS[k] for k in ("off", "sequence", "tree_4_2", "merged_and_lookup")}
+    out = seeded_tokens(llm, ssms, settings)
     plain = out["off", "alone"]
     assert len(plain) == 40 and all(tokens == plain for tokens in out.values()), \
         {k: v for k, v in out.items() if v != plain}
