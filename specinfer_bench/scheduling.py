@@ -13,7 +13,8 @@ its defaults), one scenario at a time, each setting side by side in the same run
 - fairness: 8 short requests sent while 32 long streams (1000 tokens) fill a batch of 32, fair
   turns on and off: each short request's time against its time alone;
 - long: a ~6000-token prompt sent while 8 streams run, chunked prefill (verifier and speculators)
-  on and off: the streams' longest wait between two chunks, and the long request's time to first token.
+  with each of `--long-chunks` (0: off): the streams' longest wait between two chunks (and before
+  the prompt was sent), and the long request's time to first token.
 
     python -m specinfer_bench.scheduling --scenarios multiturn,overflow,fairness,long,capacity \\
         --baseline /path/to/main --out bench/results/scheduling_cpu
@@ -203,9 +204,9 @@ def fairness(bench: Bench, longs: list[list[int]], shorts: list[list[int]], shor
     return out
 
 
-def long_prompt(bench: Bench, streams: list[list[int]], long: list[int]) -> dict:
+def long_prompt(bench: Bench, streams: list[list[int]], long: list[int], chunks: list[int]) -> dict:
     out = {"long_prompt_tokens": len(long)}
-    for setting, chunk in (("chunked (512)", "512"), ("whole", "0")):
+    for setting, chunk in ((f"chunked ({c})" if c else "whole", str(c)) for c in chunks):
         # a verify timeout of 3 minutes (default 60 s): a chunk slowed by a shared machine is measured, not failed
         system = bench.start(f"long-{chunk}", ["--kv-cache-tokens", "32768"],
                              ["--prefill-chunk", chunk, "--verify-timeout", "180"], speculator_args=["--prefill-chunk", chunk])
@@ -237,9 +238,11 @@ def long_prompt(bench: Bench, streams: list[list[int]], long: list[int]) -> dict
         sent_at = sent - start
         gaps = [max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > sent_at), default=0.0)
                 for r in runs]
+        before = [max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b <= sent_at), default=0.0)
+                  for r in runs]
         every = sorted(b - a for r in runs for a, b in zip(r.chunk_times, r.chunk_times[1:]))
         out[setting] = {"long_ttft_s": first.chunk_times[0], "streams_longest_gap_s": max(gaps),
-                        "streams_median_gap_s": every[len(every) // 2]}
+                        "streams_longest_gap_before_s": max(before), "streams_median_gap_s": every[len(every) // 2]}
     return out
 
 
@@ -289,13 +292,15 @@ def markdown(results: dict, meta: dict) -> str:
     if "long" in results:
         r = results["long"]
         lines += [f"## Long prompt: {r['long_prompt_tokens']} tokens sent while 8 streams run", "",
-                  "| prefill | long request's first token (s) | streams' longest wait (s) | streams' median gap (s) |",
-                  "| --- | --- | --- | --- |"]
+                  "| prefill | long request's first token (s) | streams' longest wait (s) | the same before it was "
+                  "sent (s) | streams' median gap (s) |",
+                  "| --- | --- | --- | --- | --- |"]
         for k, v in r.items():
             if isinstance(v, dict) and "failed" in v:
-                lines.append(f"| {k} | failed: {v['failed']} | | |")
+                lines.append(f"| {k} | failed: {v['failed']} | | | |")
             elif isinstance(v, dict):
                 lines.append(f"| {k} | {v['long_ttft_s']:.2f} | {v['streams_longest_gap_s']:.2f} | "
+                             f"{v.get('streams_longest_gap_before_s', float('nan')):.2f} | "
                              f"{v['streams_median_gap_s']:.3f} |")
         lines.append("")
     return "\n".join(lines)
@@ -307,6 +312,7 @@ def main() -> None:
     p.add_argument("--scenarios", default="multiturn,overflow,fairness,long,capacity")
     p.add_argument("--baseline", type=Path, help="a source tree to compare with in the capacity scenario (today's main)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="multiturn: each reply's most tokens")
+    p.add_argument("--long-chunks", default="512,0", help="long: the prefill chunks to compare (0: the whole prompt)")
     p.add_argument("--out", type=Path, default=Path("bench/results/scheduling_cpu"))
     args = p.parse_args()
     bench = Bench(args.llm, Path(tempfile.mkdtemp(prefix="specinfer-scheduling-")))
@@ -330,7 +336,7 @@ def main() -> None:
         elif scenario == "long":
             text = "\n\n".join(r.get("prompt", "") for r in held) * 4
             long = bench.tokenizer(text)["input_ids"][:6000]
-            results[scenario] = long_prompt(bench, code[:8], long)
+            results[scenario] = long_prompt(bench, code[:8], long, [int(c) for c in args.long_chunks.split(",")])
         else:
             raise SystemExit(f"--scenarios: unknown {scenario!r}")
         args.out.parent.mkdir(parents=True, exist_ok=True)  # written after each scenario: a run can take hours
