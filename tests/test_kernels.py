@@ -18,6 +18,7 @@ import torch
 
 from specinfer_bench import ops
 from specinfer_kernels import Capacity, RequestView, TreeBatch, tree_attention_reference
+from specinfer_kernels import reference as reference_module
 from specinfer_kernels import tree_attention_triton as kernel_module
 from specinfer_kernels.tree_attention_triton import tree_attention_triton
 
@@ -125,6 +126,28 @@ def test_reference_is_attention_over_each_nodes_causal_path(committed, old, new,
     want = dense_attention(q.cpu(), k.cpu(), v.cpu(), view, bs, visible)
     got = tree_attention_reference(q, k, v, batch).float().cpu()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_reference_attends_unlike_requests_apart_and_gives_each_the_rows_it_gets_alone():
+    """A prompt's 200-row chunk on an 800-token record beside decoding requests with trees: the
+    reference calls the chunk apart from the small requests (padded with them, each would pay the
+    chunk's rows times its keys), and every request's rows are those it gets in a batch of its own;
+    a batch of like requests stays one call."""
+    requests = [(35, 1, 0, 4, "chain"), (600, 200, 0, 0, "chain"), (40, 1, 0, 8, "random"),
+                (50, 0, 3, 5, "random"), (20, 1, 0, 0, "chain")]
+    q, k, v, batch, views, _ = make_case(3, requests, hkv=2, group=2, d=16, dtype=torch.float32)
+    plan = reference_module._plan(batch)
+    assert sorted(g.B for g in plan) == [1, 4], [(g.B, g.M, g.L) for g in plan]
+    got = tree_attention_reference(q, k, v, batch)
+    start = 0
+    for view in views:
+        n = view.n_queries
+        alone = tree_attention_reference(q[start:start + n], k, v, TreeBatch.build([view], 16, DEVICE))
+        torch.testing.assert_close(got[start:start + n], alone, atol=1e-5, rtol=0)
+        start += n
+    _, _, _, alike, _, _ = make_case(4, [(30 + i, 1, 0, 6, "random") for i in range(6)], hkv=2, group=2, d=16,
+                                     dtype=torch.float32)
+    assert len(reference_module._plan(alike)) == 1
 
 
 CASES = {
