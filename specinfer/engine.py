@@ -198,6 +198,11 @@ class Chunk:
     prompt_logprobs: list | None = None  # the prompt's (all but its first token), with the first chunk
 
 
+def add_tallies(a: dict, b: dict) -> dict:
+    """Two tallies of (accepted, drafted) nodes by drafter (Chunk.drafters, summed over steps or runs) as one."""
+    return {n: tuple(x + y for x, y in zip(a.get(n, (0, 0)), b.get(n, (0, 0)))) for n in dict.fromkeys([*a, *b])}
+
+
 @dataclass(eq=False)
 class Sequence:
     """A running request: its token record (prompt + committed tokens), the single source of truth."""

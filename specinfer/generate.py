@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from .controller import SpeculationController
 from .eagle import EagleHead
-from .engine import Draft, Generation, Request, Sequence, SpeculativeEngine, Verified, validate
+from .engine import Draft, Generation, Request, Sequence, SpeculativeEngine, Verified, add_tallies, validate
 from .feature_drafter import FeatureSpeculator
 from .grammar import Grammars
 from .kv_cache import POOL_TOKENS
@@ -170,10 +170,7 @@ class Engine:
             for s, event in await self.engine.iteration(live):
                 if isinstance(event, Exception):
                     raise event
-                tally = drafters[s.id]
-                for number, (hit, drafted) in event.drafters.items():
-                    was = tally.get(number, (0, 0))
-                    tally[number] = (was[0] + hit, was[1] + drafted)
+                drafters[s.id] = add_tallies(drafters[s.id], event.drafters)
                 if s.request.logprobs or s.request.prompt_logprobs:
                     mine = logprobs.setdefault(s.id, ([] if s.request.logprobs else None, None))
                     if event.logprobs is not None:

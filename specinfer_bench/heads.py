@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir, default_heads, default_ssms, models_dir
 from specinfer.eagle import EagleHead
+from specinfer.engine import add_tallies
 from specinfer.generate import Mode
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
@@ -145,8 +146,7 @@ def merged(a: dict, b: dict) -> dict:
     return {"tokens": a["tokens"] + b["tokens"], "forwards": forwards,
             "request_seconds": a["request_seconds"] + b["request_seconds"],
             "acceptance_by_depth": [(at(a, d) + at(b, d)) / forwards for d in range(depth)],
-            "drafters": {n: [x + y for x, y in zip(a["drafters"].get(n, (0, 0)), b["drafters"].get(n, (0, 0)))]
-                         for n in a["drafters"].keys() | b["drafters"].keys()}}
+            "drafters": add_tallies(a["drafters"], b["drafters"])}
 
 
 def markdown(result: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from specinfer.checkpoints import checkpoint_dir
+from specinfer.engine import add_tallies
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.prompts import prompt_ids
@@ -45,8 +46,7 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
             reached += [0] * (a - len(reached))
             for d in range(a):
                 reached[d] += 1
-        for number, (hit, drafted) in g.drafters.items():
-            drafters[number] = [x + y for x, y in zip(drafters.get(number, (0, 0)), (hit, drafted))]
+        drafters = add_tallies(drafters, g.drafters)
     return outs, {"tokens": sum(map(len, outs)), "forwards": forwards, "request_seconds": seconds,
                   "acceptance_by_depth": [r / max(forwards, 1) for r in reached], "drafters": drafters}
 

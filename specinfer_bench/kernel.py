@@ -209,14 +209,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak (default: by GPU name)")
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--quick", action="store_true", help="the smallest grid (a smoke run)")
+    p.add_argument("--grid", choices=["full", "small", "quick"], default="full",
+                   help="full: the grid above (a smaller one on the CPU); small: 8 attention cells and 3 tree sizes, "
+                        "for a GPU's first run (bench/gpu_first_run.sh); quick: the smallest (a smoke run)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     grid = GPU_GRID if cuda else CPU_GRID
     trees, batches = [0, 1, 4, 16, 64, 128, 256], [1, 8, 32]
-    if args.quick:
+    if args.grid == "small":
+        grid, trees, batches = dict(prefix=[512, 4096], tree=[1, 64], batch=[1, 16]), [0, 16, 64], [1, 8]
+    elif args.grid == "quick":
         grid, trees, batches = dict(prefix=[64], tree=[1, 8], batch=[1, 2]), [0, 8], [1]
     peak = args.peak_gbps or (next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None)
                               if cuda else None)

@@ -98,7 +98,7 @@ def test_quick_bench_checks_outputs_and_writes_json_markdown_and_plot(tmp_path):
 
 def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
     out = tmp_path / "kernel"
-    subprocess.run([sys.executable, "-m", "specinfer_bench.kernel", "--quick", "--out", str(out), "--llm", str(MODELS / "llm")],
+    subprocess.run([sys.executable, "-m", "specinfer_bench.kernel", "--grid", "quick", "--out", str(out), "--llm", str(MODELS / "llm")],
                    cwd=ROOT,
                    check=True, capture_output=True, timeout=600)
     data = json.loads(out.with_suffix(".json").read_text())

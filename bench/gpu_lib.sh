@@ -1,0 +1,116 @@
+# What the bench/gpu_*.sh scripts share; source it from the repository root. ../shared/GPU.md says
+# why: a run carries at most 64 MiB (wheels included), brings back at most 8 files of 16 MiB, and the
+# whole lease is 15 minutes, so each script is one call of parts with their own time limits and ends
+# with a summary of a screen.
+#
+# Here, before the call:
+#   gpu_pack fixtures    models/smollm2 moved to .gpu/aside (the fixtures' runs need none of it),
+#                        the wheels the GPU image lacks downloaded into .whl
+#   gpu_pack smollm2     SmolLM2's GGUF split into .gpu/llm-part-0..2 (<= 35 MB each: one per call),
+#                        models/fixtures and models/smollm2/ssm-0 moved aside, the wheels
+#   gpu_unpack           the checkout as it was
+# There, in the call:
+#   gpu_setup NAME [cpu|cuda]   the carried wheels and the project installed, $gpu named (h100, h200, cpu),
+#                               $work for the results, $out where they go back
+#   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
+#   say TEXT                    a line of figures in the summary
+#   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
+
+GPU_WHEELS=(grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 dnspython==2.9.2
+            gguf==0.19.0 llguidance==1.9.1)
+
+gpu_wheels() {  # Python 3.12 wheels of what the GPU image lacks (../shared/GPU.md, KINDS.md's package list)
+    local missing=0 w
+    for w in "${GPU_WHEELS[@]}"; do
+        ls .whl/"$(echo "${w%%==*}" | tr - _)"-"${w##*==}"-*.whl >/dev/null 2>&1 || missing=1
+    done
+    [ $missing = 0 ] && return 0
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl "${GPU_WHEELS[@]}"
+}
+
+gpu_aside() {  # move $1 (a path under models/) to .gpu/aside/$1, and note it for gpu_unpack
+    [ -e "$1" ] || return 0
+    mkdir -p ".gpu/aside/$(dirname "$1")" && mv "$1" ".gpu/aside/$1" && echo "$1" >> .gpu/aside/moved
+}
+
+gpu_pack() {
+    case ${1:-} in
+    fixtures) gpu_aside models/smollm2 ;;
+    smollm2)
+        local gguf
+        gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())") || return 1
+        mkdir -p .gpu && rm -f .gpu/llm-part-* && split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
+        gpu_aside models/fixtures && gpu_aside models/smollm2/ssm-0 ;;
+    *) echo "gpu_pack fixtures|smollm2" >&2; return 2 ;;
+    esac
+    gpu_wheels || return 1
+    echo "to carry: $(git ls-files -co --exclude-standard | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1) bytes" \
+         "of the tree, $(du -cb .whl/*.whl | tail -1 | cut -f1) of wheels (limit 67108864 together)"
+}
+
+gpu_unpack() {
+    local p
+    if [ -f .gpu/aside/moved ]; then
+        while read -r p; do
+            [ -e "$p" ] || mv ".gpu/aside/$p" "$p"
+        done < .gpu/aside/moved
+        rm .gpu/aside/moved && find .gpu/aside -depth -type d -empty -delete
+        [ -e .gpu/aside ] && echo "gpu_unpack: left in .gpu/aside (already present in the checkout):" $(ls -R .gpu/aside) >&2
+    fi
+    rm -f .gpu/llm-part-*
+    git status --short models
+}
+
+gpu_setup() {  # NAME [cpu|cuda]
+    GPU_NAME=$1
+    out=${OUT:-/tmp/specinfer-gpu}
+    work=$(mktemp -d /tmp/specinfer-gpu-work.XXXXXX)
+    mkdir -p "$out"
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    if [ "${2:-cuda}" != cpu ] && ls .whl/*.whl >/dev/null 2>&1; then  # (here, the venv has them)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            && export PYTHONPATH=/tmp/site:$PYTHONPATH
+    fi
+    python3 -c "import specinfer_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+    if [ "${2:-cuda}" = cpu ]; then
+        gpu=cpu
+    else
+        gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower(); print(next((g for g in ('h200', 'h100', 'a100', 'l4') if g in n), 'gpu'))") \
+            || { echo "no CUDA device: run with --device cpu to check the plumbing" >&2; return 1; }
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$work/nvidia-smi.txt" 2>&1
+    fi
+    export TRITON_CACHE_DIR=/tmp/triton-cache
+    GPU_START=$(date +%s)
+    printf '%s on %s, %s\n' "$GPU_NAME" "$gpu" "$(python3 -c 'import torch, triton; print(f"torch {torch.__version__}, triton {triton.__version__}")')" \
+        > "$work/summary.txt"
+}
+
+part() {  # NAME SECONDS CMD...: exit status 0 when the part passed
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" > "$work/$name.log" 2>&1
+    rc=$?
+    if [ $rc = 0 ]; then
+        say "$name: ok in $(( $(date +%s) - start )) s"
+    elif [ $rc = 124 ] || [ $rc = 137 ]; then
+        say "$name: TIMED OUT after $limit s; last: $(grep -v '^\s*$' "$work/$name.log" | tail -1 | cut -c1-160)"
+    else
+        say "$name: FAILED (exit $rc) in $(( $(date +%s) - start )) s; last: $(grep -v '^\s*$' "$work/$name.log" | tail -1 | cut -c1-160)"
+    fi
+    return $rc
+}
+
+say() {
+    echo "$*" | tee -a "$work/summary.txt"
+}
+
+gpu_finish() {
+    say "all: $(( $(date +%s) - GPU_START )) s"
+    cp "$work/summary.txt" "$out/${GPU_NAME}_${gpu}_summary.txt"
+    tar -czf "$out/${GPU_NAME}_${gpu}.tar.gz" -C "$work" .
+    echo "=== summary (also $out/${GPU_NAME}_${gpu}_summary.txt; everything in $out/${GPU_NAME}_${gpu}.tar.gz)"
+    cat "$work/summary.txt"
+}

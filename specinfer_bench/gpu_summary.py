@@ -1,0 +1,103 @@
+"""The figures a GPU run brings back, a line or two per part, against the goals of its issue: what the
+bench/gpu_*.sh scripts print at the end (bench/gpu_lib.sh's `say`), so that a 15-minute lease ends
+with a screen that says what passed and what it measured.
+
+    python -m specinfer_bench.gpu_summary runtime WORK/runtime_h100.json
+    python -m specinfer_bench.gpu_summary tests WORK/tests.log
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def tests(log: Path) -> list[str]:
+    """pytest's last line, and the first failure's name."""
+    text = log.read_text(errors="replace")
+    last = next((line for line in reversed(text.splitlines()) if re.search(r"\b(passed|failed|error|skipped)\b", line)),
+                "no pytest result line")
+    first = re.search(r"^(FAILED|ERROR) (\S+)", text, re.M)
+    return [f"tests: {last.strip(' =')}" + (f"; first failure: {first.group(2)}" if first else "")]
+
+
+def runtime(path: Path) -> list[str]:
+    """Per model: the one-token step at batch 1 (eager, graphed, GPU busy) and each tree's step against it
+    (issue 59: the 1B-class step at most 3 ms with the GPU >= 70% busy, a 64-node tree at most 1.2x)."""
+    result = json.loads(path.read_text())
+    g = result["meta"]["graphed"]
+    busy = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = {(r["batch"], r["tree"]): r for r in result["rows"] if r["model"] == model}
+        for batch in sorted({b for b, _ in rows}):
+            base = rows.get((batch, 0))
+            if base is None:
+                continue
+            trees = ", ".join(f"{t}: {rows[batch, t][g]['step_ms'] / base[g]['step_ms']:.2f}x"
+                              for t in sorted(t for b, t in rows if b == batch and t))
+            lines.append(f"runtime {model} batch {batch}: one token {base['eager']['step_ms']:.2f} ms eager, "
+                         f"{base[g]['step_ms']:.2f} ms {g} (busy {busy(base['eager']['gpu_busy'])} / "
+                         f"{busy(base[g]['gpu_busy'])}, launches {base['eager']['launches']} / {base[g]['launches']})"
+                         + (f"; trees vs one token ({g}): {trees}" if trees else ""))
+    return lines
+
+
+def host(path: Path) -> list[str]:
+    """Host microseconds per forward, by role, batch and tree."""
+    rows = json.loads(path.read_text())["rows"]
+    return ["host us per forward: " + ", ".join(f"{r['role']} b{r['batch']} t{r['tree_nodes']} {r['host_us']:.0f}"
+                                                for r in rows)]
+
+
+def kernel(path: Path) -> list[str]:
+    """The kernel against SDPA with the tree mask (issue 62: >= 1.0x in every cell, >= 60% of HBM peak where
+    prefix >= 2048 and batch >= 8), and the verifier step's tree cost."""
+    result = json.loads(path.read_text())
+    cells = [r for r in result["attention"] if "kernel_vs_sdpa" in r]
+    lines = []
+    if not cells:
+        lines.append(f"kernel: not timed ({result['meta']['note'] or 'no kernel rows'})")
+    else:
+        worst = min(cells, key=lambda r: r["kernel_vs_sdpa"])
+        lines.append(f"kernel vs SDPA+mask: >= 1.0x in {sum(r['kernel_vs_sdpa'] >= 1 for r in cells)} of {len(cells)} "
+                     f"cells, worst {worst['kernel_vs_sdpa']:.2f}x (prefix {worst['prefix']}, tree {worst['tree']}, "
+                     f"batch {worst['batch']}), best {max(r['kernel_vs_sdpa'] for r in cells):.2f}x")
+        big = [r for r in cells if r["prefix"] >= 2048 and r["batch"] >= 8 and "kernel_peak_fraction" in r]
+        if big:
+            lines.append(f"kernel HBM share (prefix >= 2048, batch >= 8): {min(r['kernel_peak_fraction'] for r in big):.0%}"
+                         f" to {max(r['kernel_peak_fraction'] for r in big):.0%} of peak")
+    for batch in sorted({r["batch"] for r in result["verifier"]}):
+        lines.append(f"verifier step batch {batch} vs one token: " + ", ".join(
+            f"{r['tree']}: {r['vs_one_token']:.2f}x" for r in result["verifier"] if r["batch"] == batch and r["tree"]))
+    return lines
+
+
+def divergence(path: Path) -> list[str]:
+    """Per dtype: the share of greedy tokens with speculation equal to those without."""
+    summary = json.loads(path.read_text())["summary"]
+    return ["divergence: " + "; ".join(f"{d} {s['identical_share']:.1%} of tokens identical, {s['identical_prompts']} of "
+                                       f"{s['prompts']} prompts whole" for d, s in summary.items())]
+
+
+PARTS = {"tests": tests, "runtime": runtime, "host": host, "kernel": kernel, "divergence": divergence}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in PARTS:
+        print(f"usage: python -m specinfer_bench.gpu_summary {{{','.join(PARTS)}}} PATH", file=sys.stderr)
+        return 2
+    path = Path(argv[1])
+    if not path.exists():
+        print(f"{argv[0]}: no result ({path.name} missing)")
+        return 0
+    for line in PARTS[argv[0]](path):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
