@@ -24,6 +24,9 @@ caller knows (`TreeBatch.max_queries`, `max_seq_len`, tensor shapes; a batch bui
 `Capacity` has the same ones every time), and the only allocations are the output and the
 partials' workspace. So a call can be captured in a CUDA graph and replayed over new contents.
 
+Tile sizes, warps and stages are one `TileConfig` (SPECINFER_TREE_ATTENTION_CONFIG names another
+than the default; `specinfer_bench.kernel_sweep` times them against SDPA).
+
 Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bfloat16 tiles wrongly in `tl.dot`, so
 there, and only there, bfloat16 tiles are widened to float32 right after loading.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,6 +45,70 @@ import triton.language as tl
 from .batch import TreeBatch
 
 LOG2E = 1.4426950408889634
+# kernel vs reference, max abs difference on unit-variance inputs: float32 accumulates identically
+# up to summation order; fp16/bf16 round P to the input type before P @ V, as FlashAttention does
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+CONFIG_VARIABLE = "SPECINFER_TREE_ATTENTION_CONFIG"
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How both launches tile the work and how Triton compiles them. The defaults are placeholders,
+    chosen without a GPU: Hopper's are to come from `specinfer_bench.kernel_sweep`'s figures.
+
+    block_m     the most (query, head-in-group) rows of a tile: a tile takes the fewest of 16, 32, ...
+                that hold one request's rows, up to block_m
+    block_n     keys per step of the online softmax (a split of a prefix is at least 4 steps long)
+    num_warps   warps per program
+    num_stages  Triton's software-pipelining depth
+
+    Its label names it in records and in SPECINFER_TREE_ATTENTION_CONFIG: m64-n64-w4-s3."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name, lo, hi, power in (("block_m", 16, 256, True), ("block_n", 16, 256, True),
+                                    ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
+            value = getattr(self, name)
+            if not (type(value) is int and lo <= value <= hi and (not power or value & (value - 1) == 0)):
+                kind = "a power of two" if power else "an integer"
+                raise ValueError(f"tree attention config: {name}={value!r} must be {kind} from {lo} to {hi}")
+
+    def __str__(self) -> str:
+        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, label: str) -> "TileConfig":
+        """From a label such as m64-n128-w8-s2 (m: block_m, n: block_n, w: num_warps, s: num_stages);
+        a part left out keeps its default, so '' is the default."""
+        names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+        values = {}
+        for part in filter(None, label.strip().split("-")):
+            if part[0] not in names or not part[1:].isdigit():
+                raise ValueError(f"tree attention config {label!r}: {part!r} is not m<rows>, n<keys>, w<warps> "
+                                 f"or s<stages> (e.g. m64-n64-w4-s3)")
+            values[names[part[0]]] = int(part[1:])
+        return cls(**values)
+
+    def tile_rows(self, rows: int) -> int:
+        """BLOCK_M for requests of up to `rows` (query, head) rows."""
+        return min(self.block_m, max(16, triton.next_power_of_2(rows)))
+
+
+def default_config() -> TileConfig:
+    """`TileConfig()`, unless SPECINFER_TREE_ATTENTION_CONFIG holds another's label."""
+    return _config_named(os.environ.get(CONFIG_VARIABLE, ""))
+
+
+@functools.lru_cache
+def _config_named(label: str) -> TileConfig:  # parsed once per label: every layer's call asks
+    try:
+        return TileConfig.parse(label)
+    except ValueError as e:
+        raise ValueError(f"{CONFIG_VARIABLE}={label!r}: {e}") from None
 
 
 @triton.jit
@@ -220,12 +288,6 @@ def _tree_kernel(
                  o.to(O.dtype.element_ty), mask=io_mask)
 
 
-def _block_m(rows: int) -> int:
-    """Rows of a tile: enough for one request's (query, head) rows where they fit, up to 64.
-    Untuned: Hopper's choice (and BLOCK_N, warps, stages) is to be measured."""
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
-
-
 def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(request, first row) of every tile of BLOCK_M (query, head-in-group) rows, computed on the
     device from q_starts, padded with request -1 up to a bound that depends only on shapes;
@@ -262,11 +324,14 @@ def _num_splits(programs: int, max_seq_len: int, min_split: int, device: torch.d
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
-                          scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+                          scale: float | None = None, num_splits: int | None = None, config: TileConfig | None = None,
+                          compiled: dict | None = None) -> torch.Tensor:
     """Same contract as `tree_attention_reference`: q [N, Hq, D]; k_cache, v_cache
     [n_blocks, block_size, Hkv, D]. Returns [N, Hq, D] in q's dtype. `num_splits` overrides the
     most splits of a prefix's key range, then at least one tile long each (tests use it to cover
-    the merge)."""
+    the merge). `config`: tiles, warps and stages (default: `default_config()`). `compiled`, when
+    given, receives each launched kernel's compiled variant by name ("prefix", "tree"): Triton's
+    handle, for its registers, spills and shared memory (None under the interpreter)."""
     n_q, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert hq % hkv == 0 and k_cache.shape == v_cache.shape and bs == batch.block_size
@@ -276,7 +341,8 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out
     group = hq // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
-    block_m, block_n = _block_m(batch.max_queries * group), 64
+    config = config or default_config()
+    block_m, block_n = config.tile_rows(batch.max_queries * group), config.block_n
     tile_request, tile_row = _tiles(batch, group, block_m)
     min_split = block_n if num_splits else 4 * block_n
     splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split, q.device)
@@ -288,21 +354,24 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                   UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     kv_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
                   v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
-    _prefix_kernel[(len(tile_request), hkv, splits)](
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    kernels = {"prefix": _prefix_kernel[(len(tile_request), hkv, splits)](
         q, k_cache, v_cache, o, lse, tile_request, tile_row,
         batch.block_tables, batch.tree_starts, batch.q_starts, batch.causal,
         scale * LOG2E, splits,
         q.stride(0), q.stride(1), *kv_strides,
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        batch.block_tables.stride(0), DIRECT=direct, **common,
-    )
+        batch.block_tables.stride(0), DIRECT=direct, **common, **launch,
+    )}
     if not direct:
-        _tree_kernel[(len(tile_request), hkv)](
+        kernels["tree"] = _tree_kernel[(len(tile_request), hkv)](
             q, k_cache, v_cache, out, o, lse, tile_request, tile_row,
             batch.block_tables, batch.seq_lens, batch.tree_starts, batch.q_starts, batch.tree_bits,
             scale * LOG2E, batch.tree_bits.shape[1], splits,
             q.stride(0), q.stride(1), *kv_strides,
             out.stride(0), out.stride(1), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-            batch.block_tables.stride(0), **common,
+            batch.block_tables.stride(0), **common, **launch,
         )
+    if compiled is not None:
+        compiled.update(kernels)
     return out

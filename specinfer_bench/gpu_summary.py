@@ -4,6 +4,7 @@ with a screen that says what passed and what it measured.
 
     python -m specinfer_bench.gpu_summary runtime WORK/runtime_h100.json
     python -m specinfer_bench.gpu_summary tests WORK/tests.log
+    python -m specinfer_bench.gpu_summary sweep WORK/kernel_sweep_h100.json
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def kernel(path: Path) -> list[str]:
         lines.append(f"kernel: not timed ({result['meta']['note'] or 'no kernel rows'})")
     else:
         worst = min(cells, key=lambda r: r["kernel_vs_sdpa"])
-        lines.append(f"kernel vs SDPA+mask: >= 1.0x in {sum(r['kernel_vs_sdpa'] >= 1 for r in cells)} of {len(cells)} "
+        name = " ".join(filter(None, ["kernel", result["meta"].get("config")]))
+        lines.append(f"{name} vs SDPA+mask: >= 1.0x in {sum(r['kernel_vs_sdpa'] >= 1 for r in cells)} of {len(cells)} "
                      f"cells, worst {worst['kernel_vs_sdpa']:.2f}x (prefix {worst['prefix']}, tree {worst['tree']}, "
                      f"batch {worst['batch']}), best {max(r['kernel_vs_sdpa'] for r in cells):.2f}x")
         big = [r for r in cells if r["prefix"] >= 2048 and r["batch"] >= 8 and "kernel_peak_fraction" in r]
@@ -75,6 +77,35 @@ def kernel(path: Path) -> list[str]:
     return lines
 
 
+def per_kernel(resources: dict, key: str) -> str:
+    """A sweep record's most `key` (n_regs, n_spills, shared) as 'prefix/tree' kernel, shared memory in
+    KiB, - where unknown (the interpreter compiles nothing; a direct launch has no tree kernel)."""
+    return "/".join("-" if resources.get(k, {}).get(key) is None else
+                    f"{resources[k][key] / 1024:.0f}" if key == "shared" else str(resources[k][key])
+                    for k in ("prefix", "tree"))
+
+
+def sweep(path: Path, most: int = 12) -> list[str]:
+    """specinfer_bench.kernel_sweep's configurations, best first (at most `most`): cells won against SDPA,
+    worst and best ratio, registers, spills and shared memory (prefix/tree kernel); the best one named."""
+    result = json.loads(path.read_text())
+    meta, records = result["meta"], result["configs"]
+    lines = [f"sweep: {len(records)} configs on {len(result['cells'])} cells in {meta['elapsed_s']:.0f} s "
+             f"({meta['stopped']}); best: {meta['best'] or 'none'} (default {meta['default']})"]
+    for r in records[:most]:
+        # "wrong", or "failed: " and the error's type
+        bad = sorted({": ".join(c["status"].split(": ")[:2]) for c in r["cells"] if c["status"] != "ok"})
+        ratios = f", worst {r['worst']:.2f}x, best {r['best']:.2f}x" if "worst" in r else ""
+        ratios += f", HBM >= {r['hbm_share']:.0%}" if "hbm_share" in r else ""
+        res = r["resources"]
+        lines.append(f"  {r['config']}: {r['wins']}/{len(result['cells'])} >= 1.0x{ratios}; regs {per_kernel(res, 'n_regs')}, "
+                     f"spills {per_kernel(res, 'n_spills')}, shared {per_kernel(res, 'shared')} KiB"
+                     + (f"; {', '.join(bad)}" if bad else "" if r["complete"] else "; cut by the budget"))
+    if len(records) > most:
+        lines.append(f"  (+{len(records) - most} more in the JSON)")
+    return lines
+
+
 def divergence(path: Path) -> list[str]:
     """Per dtype: the share of greedy tokens with speculation equal to those without."""
     summary = json.loads(path.read_text())["summary"]
@@ -82,7 +113,7 @@ def divergence(path: Path) -> list[str]:
                                        f"{s['prompts']} prompts whole" for d, s in summary.items())]
 
 
-PARTS = {"tests": tests, "runtime": runtime, "host": host, "kernel": kernel, "divergence": divergence}
+PARTS = {"tests": tests, "runtime": runtime, "host": host, "kernel": kernel, "sweep": sweep, "divergence": divergence}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,10 @@ reference and SDPA on a small grid and the verifier step on the shipped LLM, and
 
     python -m specinfer_bench.kernel --out bench/results/kernel_h200            # on a GPU
     python -m specinfer_bench.kernel --out bench/results/kernel_cpu             # CPU: small grid
+
+The kernel runs in its default configuration, or in the one SPECINFER_TREE_ATTENTION_CONFIG names
+(a `TileConfig` label, recorded in the results; `specinfer_bench.kernel_sweep` searches them);
+`--no-verifier` leaves part 2 out.
 """
 
 from __future__ import annotations
@@ -101,22 +105,38 @@ def dense_inputs(q, k, v, tb: TreeBatch):
     return qd, kd, vd, mask
 
 
+def kv_bytes(k: torch.Tensor, tb: TreeBatch) -> int:
+    """What a call must read at least: every request's keys and values, once. (Python integers: the
+    lengths' int32 overflows past 2 GiB, at batch 64 from prefix 8192 on.)"""
+    return sum(tb.host_seq_lens.tolist()) * k.shape[2] * k.shape[3] * 2 * k.element_size()
+
+
+def sdpa_ms(q, k, v, tb: TreeBatch, cuda: bool) -> float:
+    """The baseline's time: SDPA over the batch padded and contiguous, with the tree mask."""
+    qd, kd, vd, mask = dense_inputs(q, k, v, tb)
+    return timed_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, enable_gqa=True), cuda)
+
+
+def card_peak_gbps() -> float | None:
+    """The memory bandwidth peak of this process's GPU, by its name (None without a GPU or for another card)."""
+    if not torch.cuda.is_available():
+        return None
+    return next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None)
+
+
 def bench_attention(grid: dict, dtype, device, peak: float | None) -> list[dict]:
     cuda = device.type == "cuda"
     rows = []
     cases = [(p, t, b) for p in grid["prefix"] for t in grid["tree"] for b in grid["batch"]]
     for prefix, tree, batch in tqdm(cases, desc="attention"):
         q, k, v, tb = attention_case(prefix, tree, batch, dtype, device)
-        qd, kd, vd, mask = dense_inputs(q, k, v, tb)
-        kv_bytes = sum(tb.host_seq_lens) * k.shape[2] * k.shape[3] * 2 * k.element_size()
         row = {"prefix": prefix, "tree": tree, "batch": batch,
                "reference_ms": timed_ms(lambda: tree_attention_reference(q, k, v, tb), cuda),
-               "sdpa_mask_ms": timed_ms(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
-                                                                                enable_gqa=True), cuda)}
+               "sdpa_mask_ms": sdpa_ms(q, k, v, tb, cuda)}
         if cuda:
             from specinfer_kernels.tree_attention_triton import tree_attention_triton
             row["kernel_ms"] = timed_ms(lambda: tree_attention_triton(q, k, v, tb), cuda)
-            row["kernel_gbps"] = kv_bytes / row["kernel_ms"] / 1e6
+            row["kernel_gbps"] = kv_bytes(k, tb) / row["kernel_ms"] / 1e6
             if peak:
                 row["kernel_peak_fraction"] = row["kernel_gbps"] / peak
             row["kernel_vs_sdpa"] = row["sdpa_mask_ms"] / row["kernel_ms"]
@@ -162,6 +182,8 @@ def markdown(meta: dict, attention: list[dict], steps: list[dict]) -> str:
            f"dtype {meta['dtype']}; attention shapes: 32 query heads, 8 KV heads, head dim 128, 16-token pages.", ""]
     if meta["note"]:
         out += [meta["note"], ""]
+    if meta["config"]:
+        out += [f"Kernel configuration: {meta['config']} (a `TileConfig` label).", ""]
     kernel = "kernel_ms" in (attention[0] if attention else {})
     head = ["prefix", "tree", "batch", "reference ms", "SDPA+mask ms"] + (
         ["kernel ms", "kernel vs SDPA", "KV GB/s", "of peak"] if kernel else [])
@@ -172,6 +194,8 @@ def markdown(meta: dict, attention: list[dict], steps: list[dict]) -> str:
             cells += [f"{r['kernel_ms']:.3f}", f"{r['kernel_vs_sdpa']:.2f}x", f"{r['kernel_gbps']:.0f}",
                       f"{r.get('kernel_peak_fraction', float('nan')):.0%}"]
         out.append("| " + " | ".join(map(str, cells)) + " |")
+    if not steps:
+        return "\n".join(out) + "\n"
     out += ["", f"Verifier step ({meta['model']}, prompt {meta['prompt_len']} tokens, greedy verification "
             "included; tree 0 = a one-token step):", "", "| batch | tree nodes | step ms | vs one-token step |",
             "| --- | --- | --- | --- |"]
@@ -195,7 +219,8 @@ def plot(attention: list[dict], steps: list[dict], path: Path) -> None:
         b.plot(*zip(*pts), marker="o", label=f"batch {bsz}")
     b.axhline(1.2, color="grey", linestyle=":")
     b.set(xlabel="tree nodes", ylabel="step time / one-token step", title="verifier step")
-    b.legend()
+    if steps:
+        b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -212,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grid", choices=["full", "small", "quick"], default="full",
                    help="full: the grid above (a smaller one on the CPU); small: 8 attention cells and 3 tree sizes, "
                         "for a GPU's first run (bench/gpu_first_run.sh); quick: the smallest (a smoke run)")
+    p.add_argument("--no-verifier", action="store_true", help="the attention table only (no verifier step)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -222,19 +248,23 @@ def main(argv: list[str] | None = None) -> None:
         grid, trees, batches = dict(prefix=[512, 4096], tree=[1, 64], batch=[1, 16]), [0, 16, 64], [1, 8]
     elif args.grid == "quick":
         grid, trees, batches = dict(prefix=[64], tree=[1, 8], batch=[1, 2]), [0, 8], [1]
-    peak = args.peak_gbps or (next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None)
-                              if cuda else None)
-    model_kind = args.model or ("1b" if cuda else "shipped")
-    model = (random_model(LLAMA_1B, dtype, device) if model_kind == "1b"
-             else LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device))
-    n_params = sum(p.numel() for p in model.parameters())
-    meta = {"machine": machine(), "dtype": str(dtype).removeprefix("torch."), "peak_gbps": peak,
-            "model": f"{model_kind} ({n_params / 1e9:.2f}B parameters)", "prompt_len": args.prompt_len,
-            "command": command_line("python -m specinfer_bench.kernel", argv),
+    peak = args.peak_gbps or card_peak_gbps()
+    meta = {"machine": machine(), "dtype": str(dtype).removeprefix("torch."), "peak_gbps": peak, "model": None,
+            "prompt_len": args.prompt_len, "command": command_line("python -m specinfer_bench.kernel", argv),
+            "config": None,
             "note": "" if cuda else ("No GPU: the Triton kernel runs only in Triton's interpreter here, which says "
                                      "nothing about its speed, so it is not timed; the GPU figures remain to be measured.")}
+    if cuda:
+        from specinfer_kernels.tree_attention_triton import default_config
+        meta["config"] = str(default_config())
     attention = bench_attention(grid, dtype, device, peak)
-    steps = bench_verifier(model, trees, batches, args.prompt_len, cuda)
+    steps = []
+    if not args.no_verifier:
+        model_kind = args.model or ("1b" if cuda else "shipped")
+        model = (random_model(LLAMA_1B, dtype, device) if model_kind == "1b"
+                 else LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device))
+        meta["model"] = f"{model_kind} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters)"
+        steps = bench_verifier(model, trees, batches, args.prompt_len, cuda)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "attention": attention, "verifier": steps}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(meta, attention, steps))

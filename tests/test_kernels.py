@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 
 import pytest
 import torch
@@ -20,12 +21,9 @@ from specinfer_bench import ops
 from specinfer_kernels import Capacity, RequestView, TreeBatch, tree_attention_reference
 from specinfer_kernels import reference as reference_module
 from specinfer_kernels import tree_attention_triton as kernel_module
-from specinfer_kernels.tree_attention_triton import tree_attention_triton
+from specinfer_kernels.tree_attention_triton import CONFIG_VARIABLE, TOLERANCE, TileConfig, tree_attention_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# kernel vs reference, max abs difference on unit-variance inputs: float32 accumulates identically
-# up to summation order; fp16/bf16 round P to the input type before P @ V, as FlashAttention does
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def random_parents(rng: random.Random, n: int, shape: str) -> list[int]:
@@ -215,6 +213,37 @@ def test_kernel_equals_reference_for_gqa_groups(group, dtype):
     q, k, v, batch, _, _ = make_case(group, CASES["ragged_batch"], 2, group, 64, dtype)
     got = tree_attention_triton(q, k, v, batch)
     assert (got.float() - tree_attention_reference(q, k, v, batch).float()).abs().max().item() <= TOLERANCE[dtype]
+
+
+def test_a_tile_config_other_than_the_default_gives_the_references_output(monkeypatch):
+    """Smaller tiles than a request's rows (several tiles per request), fewer keys per step, other
+    warps and stages: the same attention, whether passed or named by the environment variable."""
+    q, k, v, batch, _, _ = make_case(6, [(40, 1, 0, 20, "random"), (3, 0, 0, 2, "chain")], 2, 2, 32, torch.float32)
+    want = tree_attention_reference(q, k, v, batch)
+    config = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2)
+    compiled = {}
+    got = tree_attention_triton(q, k, v, batch, config=config, compiled=compiled)
+    assert (got - want).abs().max().item() <= TOLERANCE[torch.float32]
+    assert set(compiled) == {"prefix", "tree"}  # their handles (None under the interpreter)
+    monkeypatch.setenv(CONFIG_VARIABLE, str(config))
+    assert TileConfig.parse(str(config)) == config and str(config) == "m16-n32-w2-s2"
+    assert torch.equal(tree_attention_triton(q, k, v, batch), got)
+
+
+@pytest.mark.parametrize("label,reason", [
+    ("m48", "block_m=48 must be a power of two from 16 to 256"),
+    ("n8", "block_n=8 must be a power of two from 16 to 256"),
+    ("w3", "num_warps=3 must be a power of two"),
+    ("s0", "num_stages=0 must be an integer from 1 to 8"),
+    ("m64-x4", "'x4' is not m<rows>, n<keys>, w<warps> or s<stages>"),
+])
+def test_an_invalid_tile_config_is_refused_with_its_reason(label, reason, monkeypatch):
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        TileConfig.parse(label)
+    monkeypatch.setenv(CONFIG_VARIABLE, label)
+    q, k, v, batch, _, _ = make_case(1, CASES["prefix1_tree1"], 1, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match=f"{CONFIG_VARIABLE}='{label}': .*{re.escape(reason)}"):
+        tree_attention_triton(q, k, v, batch)
 
 
 def test_the_comparison_catches_a_wrong_causal_limit_and_a_wrong_ancestor_bit():
