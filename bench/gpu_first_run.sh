@@ -19,19 +19,10 @@
 # A rerun of one part: `bash bench/gpu_first_run.sh --only runtime` (the others are skipped).
 set -uo pipefail
 . bench/gpu_lib.sh
-device=cuda only=
-while [ $# -gt 0 ]; do
-    case $1 in
-    --device) device=${2:?--device cpu|cuda}; shift 2 ;;
-    --only) only=${2:?--only PART}; shift 2 ;;
-    *) echo "usage: $0 [--device cpu|cuda] [--only tests|runtime|host|kernel|divergence]" >&2; exit 2 ;;
-    esac
-done
-gpu_setup first_run "$device" || exit 1
+gpu_start first_run 'tests|runtime|host|kernel|divergence' "$@" || exit $?
 fx=models/fixtures
 if [ "$device" = cuda ]; then
-    tests=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
-           tests/test_specialization.py tests/test_kv_cache.py)
+    tests=("${CUDA_TESTS[@]}")
     runtime=(--models llm-1b --batches 1,8 --trees 0,16,64 --repeats 10)
     host=(--batches 1,8,64 --trees 0,64 --repeats 20)
     kernel=(--grid small)
@@ -43,8 +34,6 @@ else  # the plumbing only: every part, on the smallest inputs
     kernel=(--grid quick)
     divergence=(--prompts 1 --max-new-tokens 8 --dtypes float32)
 fi
-want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
-figures() { python3 -m specinfer_bench.gpu_summary "$@" | while read -r line; do say "  $line"; done; }
 
 if want tests; then
     part tests 140 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"

@@ -15,7 +15,7 @@
 # It ends with a summary of a screen; everything comes back as one archive (bench/gpu_lib.sh).
 #
 #   . bench/gpu_lib.sh && gpu_pack fixtures          # here: models/smollm2 aside (the tree: about 38 MB)
-#   run(carry [], "bash bench/gpu_kernel.sh", timeout_s 540)   # no wheels: none of the parts imports them
+#   run(carry [".whl"], "bash bench/gpu_kernel.sh", timeout_s 540)
 #   . bench/gpu_lib.sh && gpu_unpack                 # here: the checkout as it was
 #   bash bench/gpu_kernel.sh --device cpu            # here: the plumbing, tiny, under Triton's interpreter
 #
@@ -23,17 +23,15 @@
 # (a configuration by its label; without --config, best takes the sweep's of the same call).
 set -uo pipefail
 . bench/gpu_lib.sh
-device=cuda only= config=
-while [ $# -gt 0 ]; do
+args=() config=
+while [ $# -gt 0 ]; do  # --config LABEL here, the other flags as every bench/gpu_*.sh takes them
     case $1 in
-    --device) device=${2:?--device cpu|cuda}; shift 2 ;;
-    --only) only=${2:?--only PART}; shift 2 ;;
     --config) config=${2:?--config LABEL}; shift 2 ;;
-    *) echo "usage: $0 [--device cpu|cuda] [--only tests|table|sweep|best] [--config LABEL]" >&2; exit 2 ;;
+    *) args+=("$1"); shift ;;
     esac
 done
+gpu_start kernel 'tests|table|sweep|best' "${args[@]}" || exit $?
 [ "$device" = cpu ] && export TRITON_INTERPRET=1  # (tests/conftest.py and kernel_sweep set it too)
-gpu_setup kernel "$device" || exit 1
 if [ "$device" = cuda ]; then
     tests=(tests/test_kernels.py)
     table=(--grid full)
@@ -46,8 +44,6 @@ else  # the plumbing only: the configuration tests, the smallest grid, two tiny 
     best=(--grid quick)
     limits=(300 300 300) total=1200
 fi
-want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
-figures() { python3 -m specinfer_bench.gpu_summary "$@" | while read -r line; do say "  $line"; done; }
 
 if want tests; then
     part tests "${limits[0]}" python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"

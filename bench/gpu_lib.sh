@@ -10,14 +10,23 @@
 #                        models/fixtures and models/smollm2/ssm-0 moved aside, the wheels
 #   gpu_unpack           the checkout as it was
 # There, in the call:
+#   gpu_start NAME PARTS ARGS   a script's flags (--device cpu|cuda, --only PART, PART one of PARTS: 'a|b|c')
+#                               into $device and $only, then gpu_setup NAME $device
 #   gpu_setup NAME [cpu|cuda]   the carried wheels and the project installed, $gpu named (h100, h200, cpu),
 #                               $work for the results, $out where they go back
+#   want PART                   whether PART runs (all do unless --only named another)
 #   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
 #   say TEXT                    a line of figures in the summary
+#   figures KIND PATH           the summary's lines of a part's result (specinfer_bench.gpu_summary)
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
+#   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
 
 GPU_WHEELS=(grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 dnspython==2.9.2
             gguf==0.19.0 llguidance==1.9.1)
+
+CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
+            tests/test_specialization.py tests/test_kv_cache.py)  # the CUDA path's: kernels, fused layers, graphs,
+                                                                  # staging, specializations, the KV cache's Triton path
 
 gpu_wheels() {  # Python 3.12 wheels of what the GPU image lacks (../shared/GPU.md, KINDS.md's package list)
     local missing=0 w
@@ -87,6 +96,25 @@ gpu_setup() {  # NAME [cpu|cuda]
         > "$work/summary.txt"
 }
 
+gpu_start() {  # NAME PARTS ARGS...
+    local name=$1 parts=$2
+    shift 2
+    device=cuda only=
+    while [ $# -gt 0 ]; do
+        case $1 in
+        --device) device=${2:?--device cpu|cuda}; shift 2 ;;
+        --only) only=${2:?--only PART}; shift 2
+                [[ "|$parts|" == *"|$only|"* ]] || { echo "$0: --only $parts" >&2; return 2; } ;;
+        *) echo "usage: $0 [--device cpu|cuda] [--only $parts]" >&2; return 2 ;;
+        esac
+    done
+    gpu_setup "$name" "$device"
+}
+
+want() {
+    [ -z "$only" ] || [ "$only" = "$1" ]
+}
+
 part() {  # NAME SECONDS CMD...: exit status 0 when the part passed
     local name=$1 limit=$2 start rc
     shift 2
@@ -105,6 +133,19 @@ part() {  # NAME SECONDS CMD...: exit status 0 when the part passed
 
 say() {
     echo "$*" | tee -a "$work/summary.txt"
+}
+
+figures() {  # KIND PATH
+    python3 -m specinfer_bench.gpu_summary "$@" | while read -r line; do say "  $line"; done
+}
+
+gpu_tests_record() {  # prints a summary a GPU run brought back (a bench/results/NAME_GPU_summary.txt, GPU not cpu)
+    local f           # whose tests part passed ("tests: ok in N s", as `part` writes it); fails where there is none
+    for f in bench/results/*_summary.txt; do
+        case $f in *_cpu_summary.txt) continue ;; esac
+        grep -q '^tests: ok' "$f" 2>/dev/null && { echo "$f"; return 0; }
+    done
+    return 1
 }
 
 gpu_finish() {

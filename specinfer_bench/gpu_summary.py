@@ -5,6 +5,7 @@ with a screen that says what passed and what it measured.
     python -m specinfer_bench.gpu_summary runtime WORK/runtime_h100.json
     python -m specinfer_bench.gpu_summary tests WORK/tests.log
     python -m specinfer_bench.gpu_summary sweep WORK/kernel_sweep_h100.json
+    python -m specinfer_bench.gpu_summary services WORK/services_h100.json
 """
 
 from __future__ import annotations
@@ -113,7 +114,64 @@ def divergence(path: Path) -> list[str]:
                                        f"{s['prompts']} prompts whole" for d, s in summary.items())]
 
 
-PARTS = {"tests": tests, "runtime": runtime, "host": host, "kernel": kernel, "sweep": sweep, "divergence": divergence}
+GOALS = {"off_1": 150.0, "vs_off_1": 2.5, "vs_off_many": 1.0, "vs_in_process_1": 0.9}  # issue 61's, on a 7B-class LLM
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
+    """One stream count's line: off's tok/s, every other setting against it (against the goals through
+    the services), and each setting's ms per iteration: verifier step / slowest speculator / the rest."""
+    off, goals = at.get("off"), where == "services"
+    figures = []
+    if off:
+        figures.append(f"off {off['tokens_per_s']:.1f} tok/s" + (
+            f" (goal >= {GOALS['off_1']:.0f}: {met(off['tokens_per_s'] >= GOALS['off_1'])})" if goals and c == 1 else ""))
+        goal = GOALS["vs_off_1" if c == 1 else "vs_off_many"]
+        for config, r in at.items():
+            vs = r["tokens_per_s"] / off["tokens_per_s"]
+            if config != "off":
+                figures.append(f"{config} {r['tokens_per_s']:.1f} = {vs:.2f}x off"
+                               + (f" (goal >= {goal}x: {met(vs >= goal)})" if goals else ""))
+    parts = "; ".join(f"{config} {r[f'{split}_verify_ms']:.1f}/{r[f'{split}_draft_ms']:.1f}/{r[f'{split}_overhead_ms']:.1f}"
+                      for config, r in at.items())
+    return (f"  {where} {c} stream{'s' * (c > 1)}: " + ", ".join(figures)
+            + f"; ms per iteration verifier/speculator/{split}: {parts}")
+
+
+def services(path: Path) -> list[str]:
+    """Through the services (specinfer_bench.services --in-process): per stream count speculation off and
+    the manager's default against it, through the services and in process, the services against in
+    process at one stream (what the hops cost), and the greedy check (GOALS: issue 61's, greedy)."""
+    result = json.loads(path.read_text())
+    rows, inproc = result.get("rows", []), result.get("in_process", [])
+    lines = [f"services: {result['dtype']}, the manager's default {result['default_config']}, "
+             f"{result['max_new_tokens']} new tokens x {result['requests_per_stream']} requests per stream"
+             + ("" if rows else "; no services rows (see services.log)")]
+    for where, mine, split in (("services", rows, "manager"), ("in process", inproc, "engine")):
+        for c in sorted({r["concurrency"] for r in mine}):
+            lines.append(streams(where, {r["config"]: r for r in mine if r["concurrency"] == c}, c, split))
+    by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in rows}
+    hops = [(r["config"], by[r["config"], 1] / r["tokens_per_s"]) for r in inproc if (r["config"], r["concurrency"]) in by
+            and r["concurrency"] == 1]
+    if hops:
+        goal = GOALS["vs_in_process_1"]
+        lines.append("  services / in process at 1 stream: " + ", ".join(
+            f"{config} {x:.2f}x (goal >= {goal}x: {met(x >= goal)})" for config, x in hops))
+    checked = [(where, r) for where, mine in (("services", rows), ("in process", inproc)) for r in mine
+               if r["concurrency"] == mine[0]["concurrency"]]
+    if checked:
+        check = result["greedy_check"]
+        lines.append(f"  greedy vs off ({result['dtype']}, {check['prompts']} prompts x {check['tokens']} tokens), "
+                     "share of identical tokens: "
+                     + ", ".join(f"{where} {r['config']} {r['identical_share']:.1%}" for where, r in checked))
+    return lines
+
+
+PARTS = {"tests": tests, "runtime": runtime, "host": host, "kernel": kernel, "sweep": sweep, "divergence": divergence,
+         "services": services}
 
 
 def main(argv: list[str] | None = None) -> int:

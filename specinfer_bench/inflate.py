@@ -17,6 +17,11 @@ The tokenizer is copied, so the shipped SSMs draft for the inflated LLM with the
 Generated on the fly, never committed:
 
     python -m specinfer_bench.inflate models/llm --preset llama-1b --out /tmp/llm-1b
+    python -m specinfer_bench.inflate models/fixtures/llm --preset llama-7b --device cuda --out /dev/shm/llm-7b
+
+`--device cuda` builds the tensors on the GPU (a 7B-class model's random weights in seconds rather than
+minutes of one CPU core's generator); its generator draws other random values than the CPU's for the
+same seed, which by construction change no output.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -38,8 +44,9 @@ PRESETS = {"llama-1b": (2048, 8192, 16), "llama-7b": (4096, 11008, 32)}
 
 
 def inflate(src: Path, out: Path, hidden: int, heads_multiple: int, intermediate: int, layers: int,
-            dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """Write the inflated checkpoint to `out` (config, weights, tokenizer) and return `out`."""
+            dtype: torch.dtype = torch.bfloat16, seed: int = 0, device: str = "cpu") -> Path:
+    """Write the inflated checkpoint to `out` (config, weights, tokenizer) and return `out`; the tensors
+    are built on `device`."""
     cfg = ModelConfig.from_dir(src)
     if cfg.attention_bias or cfg.output_bias:
         raise ValueError(f"{src}: attention biases are not supported by the inflation")
@@ -49,16 +56,16 @@ def inflate(src: Path, out: Path, hidden: int, heads_multiple: int, intermediate
         raise ValueError(f"inflation must not shrink the model: hidden {H} -> {hidden}, intermediate "
                          f"{I} -> {intermediate}, layers {L} -> {layers}, heads x{heads_multiple}")
     nq2, nkv2 = nq * heads_multiple, nkv * heads_multiple
-    raw = {k: v.float() for k, v in read_weights(src).items()}
-    gen = torch.Generator().manual_seed(seed)
+    raw = {k: v.to(device, torch.float32) for k, v in read_weights(src).items()}
+    gen = torch.Generator(device).manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
+        return torch.randn(*shape, generator=gen, device=device) * 0.02
 
     def grow(w: torch.Tensor, rows: int, cols: int, fill_rows: bool, fill_cols: bool) -> torch.Tensor:
         """w [r, c] in the top-left corner of [rows, cols]; new rows / columns random or zero."""
         r, c = w.shape
-        out = torch.zeros(rows, cols)
+        out = torch.zeros(rows, cols, device=device)
         if fill_rows:
             out[r:] = rand(rows - r, cols)
         if fill_cols:
@@ -67,7 +74,7 @@ def inflate(src: Path, out: Path, hidden: int, heads_multiple: int, intermediate
         return out
 
     scale = math.sqrt(H / hidden)
-    norm = lambda w: torch.cat([w, torch.ones(hidden - H)]) * scale
+    norm = lambda w: torch.cat([w, torch.ones(hidden - H, device=device)]) * scale
     new: dict[str, torch.Tensor] = {}
     new["model.embed_tokens.weight"] = grow(raw["model.embed_tokens.weight"], cfg.vocab_size, hidden, False, False)
     new["model.norm.weight"] = norm(raw["model.norm.weight"])
@@ -80,7 +87,8 @@ def inflate(src: Path, out: Path, hidden: int, heads_multiple: int, intermediate
     for i in tqdm(range(layers), desc="inflate layers", unit="layer"):
         p = f"model.layers.{i}."
         source = i < L  # a source layer, widened; past them, new layers whose outputs are zeroed
-        w = {n: raw[p + n] if source else (rand(*s) if len(s) == 2 else torch.ones(s)) for n, s in shapes.items()}
+        w = {n: raw[p + n] if source else (rand(*s) if len(s) == 2 else torch.ones(s, device=device))
+             for n, s in shapes.items()}
         for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             new[p + n] = norm(w[n])
         for name, heads in (("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)):
@@ -93,7 +101,7 @@ def inflate(src: Path, out: Path, hidden: int, heads_multiple: int, intermediate
         down = grow(w["mlp.down_proj.weight"], hidden, intermediate, False, False)
         new[p + "mlp.down_proj.weight"] = down if source else torch.zeros_like(down)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(dtype).contiguous() for k, v in new.items()}, str(out / "model.safetensors"),
+    save_file({k: v.to(dtype).contiguous().cpu() for k, v in new.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     config = json.loads((Path(src) / "config.json").read_text())
     config.update(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -118,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="where the tensors are built: cpu, cuda (see the module)")
     args = ap.parse_args(argv)
     cfg = ModelConfig.from_dir(args.src)
     hidden, intermediate, layers = PRESETS[args.preset] if args.preset else (cfg.hidden_size, cfg.intermediate_size,
                                                                               cfg.num_layers)
     hidden, intermediate, layers = args.hidden or hidden, args.intermediate or intermediate, args.layers or layers
     multiple = args.heads_multiple or max(1, hidden // (cfg.num_heads * cfg.head_dim))
-    out = inflate(args.src, args.out, hidden, multiple, intermediate, layers, getattr(torch, args.dtype), args.seed)
-    n = sum(t.numel() for t in read_weights(out).values())
+    out = inflate(args.src, args.out, hidden, multiple, intermediate, layers, getattr(torch, args.dtype), args.seed,
+                  args.device)
+    with safe_open(out / "model.safetensors", framework="pt") as f:  # the shapes, not the 13 GB of a 7B model
+        n = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     print(f"{out}: hidden {hidden}, {cfg.num_heads * multiple} query / {cfg.num_kv_heads * multiple} KV heads, "
           f"intermediate {intermediate}, {layers} layers, {n / 1e9:.2f}B parameters ({args.dtype})")
     return 0

@@ -51,9 +51,9 @@ def run(llm: LlamaModel, ssms: list[LlamaModel], mode: Mode, expansion: list[int
                   "acceptance_by_depth": [r / max(forwards, 1) for r in reached], "drafters": drafters}
 
 
-def reference_greedy(llm_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def reference_greedy(llm: LlamaModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """The LLM's own incremental greedy decoding, batched."""
-    engine = Engine(LlamaModel.from_pretrained(llm_dir), mode=Mode.INCREMENTAL)
+    engine = Engine(llm, mode=Mode.INCREMENTAL)
     return [g.token_ids for g in engine.generate([Request(p, max_new_tokens) for p in prompts])]
 
 

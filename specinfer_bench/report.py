@@ -77,6 +77,28 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
     return "\n".join(lines) + "\n"
 
 
+def in_process_markdown(result: dict) -> str:
+    """specinfer_bench.services' result: the greedy check of every setting (its share of the reference's
+    tokens), and the same requests in process beside the services (--in-process)."""
+    services, in_process, check = result["rows"], result.get("in_process", []), result["greedy_check"]
+    shares = lambda rows, where: [f"{where} {r['config']} {r['identical_share']:.1%}"  # noqa: E731
+                                  for r in rows if r["concurrency"] == rows[0]["concurrency"]]
+    lines = ["", f"Greedy check ({result['dtype']}), each setting's share of the reference's tokens ({check['prompts']} "
+             f"prompts x {check['tokens']} tokens): " + ", ".join(shares(services, "services") + shares(in_process, "in process")), ""]
+    if in_process:
+        by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in services}
+        lines += ["## The same requests in process (the engine, no RPC, no scheduler; waves of `concurrency` requests)", "",
+                  "| config | concurrency | tok/s | services / in process | tok/step | iteration ms | verifier ms | "
+                  "speculator ms | engine overhead ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in in_process:
+            vs = by.get((r["config"], r["concurrency"]))
+            vs = "-" if vs is None else f"{vs / r['tokens_per_s']:.2f}x"
+            lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} | "
+                         f"{r['engine_ms_per_iteration']:.1f} | {r['engine_verify_ms']:.1f} | {r['engine_draft_ms']:.1f} | "
+                         f"{r['engine_overhead_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _plt():
     import matplotlib
 

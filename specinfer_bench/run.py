@@ -115,12 +115,9 @@ def main(args) -> int:
 
     services_rows, rounds = [], 1 if args.quick else 2
     if not args.no_services:
-        from manager_svc.__main__ import ManagerConfig
+        from .services import default_config, measure
 
-        from .services import measure
-
-        defaults = ManagerConfig()
-        default = f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget}"  # the manager's own
+        default = default_config()
         svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
         services_rows = measure(llm_dir, args.ssm or served_ssms(), prompts, short, svc_configs, levels,

@@ -90,7 +90,7 @@ def main() -> None:
     result = {**meta, "in_process": rows}
     if not args.no_services:
         configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
-        reference = inprocess.reference_greedy(args.llm, prompts[:4], 32)
+        reference = inprocess.reference_greedy(LlamaModel.from_pretrained(args.llm), prompts[:4], 32)
         result["services"] = services.measure(args.llm, [ssm], prompts, reference, configs, levels, 4,
                                               args.max_new_tokens, args.rounds, args.temperature)
         lines += ["", services_markdown(result["services"], meta, args.max_new_tokens, args.rounds, args.temperature)

@@ -10,35 +10,65 @@ iteration split (verifier step, slowest speculator, the rest = its own overhead 
 
     python -m specinfer_bench.services --out bench/results/services_cpu
     python -m specinfer_bench.services --llm /tmp/llm-1b --concurrency 1,4,8,16,32,64 --out bench/results/services_h100_llama-1b
+    python -m specinfer_bench.services --configs 'off;default' --in-process ...   # what the services' hops cost
 
-Every service picks its device itself (`--device auto`: the GPU when there is one).
+Every service picks its device itself (`--device auto`: the GPU when there is one), in `--dtype`. The
+greedy reference is the LLM's incremental decoding in this process, on that device in that dtype: in
+float32 every setting must reproduce it before it is timed; in bfloat16 a speculative step may flip a
+near-tie (divergence.py), so each setting's share of identical tokens is recorded instead.
+`--in-process` first runs the same requests through the engine in this process (the manager's
+speculative engine over a local verifier and drafters: no RPC, no scheduler), in waves of `concurrency`
+requests (the engine batches what it is given; at one stream exactly the services' load); its "off"
+gives the reference.
 """
 
 from __future__ import annotations
 
+from specinfer_rpc.openmp import bound_spin
+
+bound_spin()  # before torch is imported: --in-process spins no more than the services do (see openmp.py)
+
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
+from manager_svc.__main__ import ManagerConfig
 from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
+from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.eagle import head_layers
+from specinfer.engine import Stats
+from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
-from specinfer.generate import Request
+from specinfer.generate import Engine, Mode, Request
 from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
 from specinfer_rpc.load import run_load
 
-from .report import command_line, machine, plot_services, services_markdown
+from .divergence import compare
+from .inprocess import load_prompt_ids, reference_greedy
+from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
 
 
 OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs"}
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
+CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
+SPLIT = ("ms_per_iteration", "verify_ms", "draft_ms", "overhead_ms", "mean_batch")  # of an engine's Stats.summary
+
+
+def default_config() -> str:
+    """The manager's own setting as a config: its default expansion and tree budget (manager_flags then
+    passes the adaptive controller and context lookup, its defaults too)."""
+    defaults = ManagerConfig()
+    return f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget}"
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
@@ -62,6 +92,71 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     return flags
 
 
+def engine_settings(config: str, ssms: int) -> dict:
+    """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static or
+    @nolookup (the others name what only the services do); several SSMs merge their trees, as the manager does."""
+    name, *options = config.split("@")
+    budget = None if name == "off" else options.pop(0)
+    if unknown := set(options) - {"static", "nolookup"}:
+        raise ValueError(f"--in-process: {config!r}: option(s) {sorted(unknown)} run only through the services")
+    if name == "off":
+        return {"mode": Mode.INCREMENTAL}
+    return {"mode": Mode.MERGED if ssms > 1 else Mode.TREE, "expansion": [int(k) for k in name.split(",")],
+            "tree_budget": int(budget), "adaptive": "static" not in options, "lookup": "nolookup" not in options}
+
+
+def identical_share(what: str, outputs: list[list[int]], reference: list[list[int]], exact: bool) -> float:
+    """The mean share of positions where each output holds its reference's token (divergence.compare);
+    where the dtype is `exact` (float32) anything but all of them stops the run."""
+    if outputs == reference:
+        return 1.0
+    if exact:
+        raise SystemExit(f"{what}: greedy outputs differ from the reference; no figures reported")
+    return statistics.mean(compare(want, got)[0] for want, got in zip(reference, outputs))
+
+
+def release(device: torch.device) -> None:
+    """Give back what dropped models and engines held on the device (before the services load theirs)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]], configs: list[str], levels: list[int],
+               requests_per_stream: int, max_new_tokens: int, temperature: float,
+               exact: bool) -> tuple[list[list[int]], list[dict]]:
+    """The services' first round in this process (see the module): per config one engine, checked greedy
+    against the reference first, then per concurrency c, `requests_per_stream` waves of c requests taking
+    the prompts in the load's order, sampled as its first round's. Returns the reference ('off's greedy
+    outputs) and one row per (config, concurrency) with the engine's per-iteration split (engine_*:
+    verifier step, slowest drafter, the rest)."""
+    if "off" not in configs:
+        raise ValueError("--in-process: its 'off' is the reference; give 'off' in --configs")
+    reference, rows = [], []
+    for config in sorted(configs, key=lambda c: c != "off"):
+        engine = Engine(llm, ssms, **engine_settings(config, len(ssms)))
+        outs = [g.token_ids for g in engine.generate([Request(q, CHECK_TOKENS) for q in prompts[:CHECK_PROMPTS]])]
+        reference = reference or outs
+        share = identical_share(f"in process {config}", outs, reference, exact)
+        for c in levels:
+            engine.engine.stats = Stats()  # this concurrency's iterations only
+            tokens = steps = 0
+            start = time.perf_counter()
+            for wave in range(requests_per_stream):
+                done = engine.generate([Request(prompts[(wave * c + i) % len(prompts)], max_new_tokens,
+                                                SamplingParams(temperature, seed=0), ignore_eos=True) for i in range(c)])
+                tokens += sum(len(g.token_ids) for g in done)
+                steps += sum(g.steps for g in done)
+            seconds = time.perf_counter() - start
+            split = engine.engine.stats.summary()
+            rows.append({"config": config, "concurrency": c, "seconds": round(seconds, 2), "tokens": tokens,
+                         "tokens_per_s": round(tokens / seconds, 1), "tokens_per_step": round(tokens / steps, 3),
+                         "identical_share": share, **{f"engine_{k}": split[k] for k in SPLIT}})
+        del engine
+        release(llm.device)
+    return reference, rows
+
+
 def manager_stats(log: Path) -> dict:
     lines = [l for l in log.read_text().splitlines() if "scheduler stats " in l]
     return json.loads(lines[-1].split("scheduler stats ", 1)[1])
@@ -69,26 +164,35 @@ def manager_stats(log: Path) -> dict:
 
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
             levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int,
-            temperature: float = 0.0, baseline: Path | None = None, heads: list[Path] = ()) -> list[dict]:
-    """One row per (config, concurrency). `reference`: greedy outputs (32 tokens) of prompts[:len(reference)]
-    that every setting must reproduce before it is timed. The load's requests sample at `temperature`
+            temperature: float = 0.0, baseline: Path | None = None, heads: list[Path] = (), dtype: str = "auto",
+            exact: bool = True, log_dir: Path | None = None) -> list[dict]:
+    """One row per (config, concurrency). `reference`: greedy outputs (CHECK_TOKENS tokens) of
+    prompts[:len(reference)] that every setting must reproduce before it is timed, where `exact`; otherwise
+    each row has the setting's share of identical tokens. The load's requests sample at `temperature`
     (0: greedy), seeded. `heads`: feature drafters, each in a speculator of its own, drafting for
-    the @head configs (the verifier then keeps their layers' features for every config)."""
-    logs = Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
+    the @head configs (the verifier then keeps their layers' features for every config). The services run
+    their models in `dtype` and log to `log_dir` (default: a temporary directory)."""
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
-    managers = {}
+    managers, shares = {}, {}
     try:
         layers = sorted({head_layers(h, llm) for h in heads})
         if len(layers) > 1:
             raise ValueError(f"--head: the heads read different layers of the LLM ({layers})")
         features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
-        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", str(llm), *features], 120)
-        specs = [system.start(f"speculator-{i}", "speculator_svc", ["--port", "0", "--ssm", str(d), "--threads", "1"], 120)
+        start = time.perf_counter()
+        verifier = system.start("verifier", "verifier_svc",
+                                ["--port", "0", "--model", str(llm), "--dtype", dtype, *features], 120)
+        specs = [system.start(f"speculator-{i}", "speculator_svc",
+                              ["--port", "0", "--ssm", str(d), "--threads", "1", "--dtype", dtype], 120)
                  for i, d in enumerate(ssms)]
         head_specs = [system.start(f"speculator-head-{i}", "speculator_svc",
-                                   ["--port", "0", "--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1"], 120)
+                                   ["--port", "0", "--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1",
+                                    "--dtype", dtype], 120)
                       for i, h in enumerate(heads)]
+        print(f"services: the verifier and {len(specs) + len(head_specs)} speculators serving after "
+              f"{time.perf_counter() - start:.0f} s", flush=True)
         for config in configs:
             flags = manager_flags(config, verifier.address, [s.address for s in specs],
                                   [s.address for s in head_specs]) + ["--tokenizer", str(llm)]
@@ -97,9 +201,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
                 raise ValueError(f"--configs {config!r}: @baseline needs --baseline")
             for c in levels:
                 managers[config, c] = system.start(f"manager-{len(managers)}", "manager_svc", flags, 120, source=source)
-            outs = generate_all(managers[config, levels[0]].address, [Request(q, 32) for q in prompts[:len(reference)]])
-            if [s.token_ids for s in outs] != reference:
-                raise SystemExit(f"services {config}: greedy outputs differ from the reference; no figures reported")
+            outs = generate_all(managers[config, levels[0]].address,
+                                [Request(q, CHECK_TOKENS) for q in prompts[:len(reference)]])
+            shares[config] = identical_share(f"services {config}", [s.token_ids for s in outs], reference, exact)
         bar = tqdm(total=rounds * len(managers), unit="run", desc="services")
         order = list(managers.items())
         for r in range(rounds):  # interleaved, so that the machine's drift hits all settings alike,
@@ -122,7 +226,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         median = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "concurrency"}
         stats = manager_stats(logs / f"{managers[config, c].name}.log")
         rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
-                     **{f"manager_{k}": v for k, v in stats.items()}})
+                     "identical_share": shares[config], **{f"manager_{k}": v for k, v in stats.items()}})
     return rows
 
 
@@ -134,8 +238,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy), seeded")
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
-                   help="';'-separated: 'off' or EXPANSION@TREE_BUDGET[@static] (the manager's defaults; "
-                        "@static: without the adaptive controller; @head: with the --head speculators; see manager_flags)")
+                   help="';'-separated: 'off', 'default' (the manager's defaults) or EXPANSION@TREE_BUDGET[@static] "
+                        "(@static: without the adaptive controller; @head: with the --head speculators; see manager_flags)")
     p.add_argument("--llm", default=DEFAULT_LLM,
                    help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
     p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")
@@ -144,23 +248,47 @@ def main() -> None:
     p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
     p.add_argument("--baseline", type=Path, default=None,
                    help="another source tree (e.g. a checkout of an earlier commit): configs with @baseline run its manager")
+    p.add_argument("--dtype", default="auto", help="the services' and the reference's (auto: bfloat16 on CUDA, else float32)")
+    p.add_argument("--in-process", action="store_true",
+                   help="first the same requests through the engine in this process (see the module)")
+    p.add_argument("--log-dir", type=Path, default=None, help="the services' logs (default: a temporary directory)")
     p.add_argument("--out", type=Path, default=Path("bench/results/services_cpu"))
     args = p.parse_args()
-    from .inprocess import load_prompt_ids, reference_greedy
-
+    device = resolve_device("auto")  # where the services' models go (--device auto)
+    dtype = resolve_dtype(args.dtype, device)
+    exact = dtype in (torch.float32, torch.float64)
     prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
-
-    reference = reference_greedy(args.llm, prompts[:8], 32)
-    configs, levels = args.configs.split(";"), [int(c) for c in args.concurrency.split(",")]
-    rows = measure(args.llm, args.ssm or served_ssms(), prompts, reference, configs, levels,
-                   args.requests_per_stream, args.max_new_tokens, args.rounds, args.temperature, args.baseline,
-                   args.head)
-    meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None)}
+    configs = [default_config() if c == "default" else c for c in args.configs.split(";")]
+    levels, ssms = [int(c) for c in args.concurrency.split(",")], args.ssm or served_ssms()
+    result = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None),
+              "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(),
+              "max_new_tokens": args.max_new_tokens, "requests_per_stream": args.requests_per_stream,
+              "greedy_check": {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS}}
+    save = lambda: args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # noqa: E731
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    text = services_markdown(rows, meta, args.max_new_tokens, args.rounds, args.temperature)
+    start = time.perf_counter()
+    llm = LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device)
+    if args.in_process:
+        drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssms]
+        loaded = time.perf_counter()
+        reference, result["in_process"] = in_process(llm, drafters, prompts, configs, levels, args.requests_per_stream,
+                                                     args.max_new_tokens, args.temperature, exact)
+        print(f"in process: the models loaded in {loaded - start:.0f} s, the engines built and run in "
+              f"{time.perf_counter() - loaded:.0f} s", flush=True)
+        save()  # kept should the services not finish
+        del drafters
+    else:
+        reference = reference_greedy(llm, prompts[:CHECK_PROMPTS], CHECK_TOKENS)
+    del llm
+    release(device)
+    result["rows"] = rows = measure(args.llm, ssms, prompts, reference, configs, levels, args.requests_per_stream,
+                                    args.max_new_tokens, args.rounds, args.temperature, args.baseline, args.head,
+                                    args.dtype, exact, args.log_dir)
+    save()
+    text = services_markdown(rows, result, args.max_new_tokens, args.rounds, args.temperature)
+    text += in_process_markdown(result)
     args.out.with_suffix(".md").write_text(text)
-    plot_services(rows, configs, levels, args.out.with_suffix(".png"), meta["machine"])
+    plot_services(rows, configs, levels, args.out.with_suffix(".png"), result["machine"])
     print(text)
 
 

@@ -151,6 +151,25 @@ def test_services_configs_name_their_options_and_refuse_unknown_ones():
         manager_flags("2,1,1@16@fast", "v:1", ["s:2"])
 
 
+def test_in_process_settings_are_the_managers_and_refuse_what_only_the_services_do():
+    from specinfer.generate import Mode
+    from specinfer_bench.services import engine_settings, identical_share
+
+    assert engine_settings("off", 2) == {"mode": Mode.INCREMENTAL}
+    assert engine_settings("2,1,1@16", 2) == {"mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16,
+                                              "adaptive": True, "lookup": True}
+    one = engine_settings("1,1@8@static@nolookup", 1)
+    assert one["mode"] == Mode.TREE and not one["adaptive"] and not one["lookup"]
+    for config in ("off@logprobs", "2,1,1@16@mss"):
+        with pytest.raises(ValueError, match="only through the services"):
+            engine_settings(config, 2)
+    reference = [[1, 2, 3, 4], [5, 6]]
+    assert identical_share("x", reference, reference, exact=True) == 1.0
+    assert identical_share("x", [[1, 2, 9, 9], [5, 6]], reference, exact=False) == 0.75
+    with pytest.raises(SystemExit, match="differ"):
+        identical_share("x", [[1, 2, 9, 9], [5, 6]], reference, exact=True)
+
+
 def test_host_benchmark_times_every_role_batch_and_tree_through_the_buckets(tmp_path):
     out = tmp_path / "host"
     proc = subprocess.run([sys.executable, "-m", "specinfer_bench.host", "--batches", "1,3", "--trees", "0,5",

@@ -1,6 +1,7 @@
 """The model services bound OpenMP's idle spinning before torch loads libgomp (which reads the
 setting once, at load): the verifier's idle threads must not spin on the cores the speculators
-draft on (specinfer_rpc/openmp.py)."""
+draft on (specinfer_rpc/openmp.py). The services bench does too, so that its in-process runs compare
+with the services on equal terms."""
 
 import os
 import subprocess
@@ -36,7 +37,7 @@ def spin_count_when_torch_loads(module: str, env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("module", ["verifier_svc.__main__", "speculator_svc.__main__"])
+@pytest.mark.parametrize("module", ["verifier_svc.__main__", "speculator_svc.__main__", "specinfer_bench.services"])
 def test_model_services_bound_the_spin_before_torch_loads(module):
     assert spin_count_when_torch_loads(module, {}) == SPIN_COUNT
 

@@ -1,0 +1,46 @@
+"""The services part's summary (specinfer_bench.gpu_summary.services): every stream count's figures against
+issue 61's goals, services against in process, the greedy check, and a run the services did not finish."""
+
+from __future__ import annotations
+
+import json
+
+from specinfer_bench.gpu_summary import services
+
+
+def row(config: str, concurrency: int, tokens_per_s: float, split: str, share: float = 1.0) -> dict:
+    return {"config": config, "concurrency": concurrency, "tokens_per_s": tokens_per_s, "identical_share": share,
+            f"{split}_verify_ms": 6.0, f"{split}_draft_ms": 1.5, f"{split}_overhead_ms": 0.5}
+
+
+def result(rows: list[dict] | None, in_process: list[dict]) -> dict:
+    out = {"dtype": "bfloat16", "default_config": "2,1,1@16", "max_new_tokens": 128, "requests_per_stream": 4,
+           "greedy_check": {"prompts": 8, "tokens": 32},
+           "in_process": in_process}
+    return out if rows is None else {**out, "rows": rows}
+
+
+def summary(tmp_path, data: dict) -> str:
+    path = tmp_path / "services_h100.json"
+    path.write_text(json.dumps(data))
+    return "\n".join(services(path))
+
+
+def test_the_summary_weighs_each_stream_count_against_the_goals(tmp_path):
+    rows = [row("off", 1, 160.0, "manager"), row("2,1,1@16", 1, 320.0, "manager", 0.97),
+            row("off", 16, 2000.0, "manager"), row("2,1,1@16", 16, 2100.0, "manager", 0.97)]
+    inproc = [row("off", 1, 170.0, "engine"), row("2,1,1@16", 1, 400.0, "engine", 0.96)]
+    text = summary(tmp_path, result(rows, inproc))
+    assert "off 160.0 tok/s (goal >= 150: met)" in text
+    assert "2,1,1@16 320.0 = 2.00x off (goal >= 2.5x: MISSED)" in text
+    assert "2,1,1@16 2100.0 = 1.05x off (goal >= 1.0x: met)" in text
+    assert "off 0.94x (goal >= 0.9x: met), 2,1,1@16 0.80x (goal >= 0.9x: MISSED)" in text
+    assert "verifier/speculator/manager: off 6.0/1.5/0.5" in text and "verifier/speculator/engine" in text
+    assert "services 2,1,1@16 97.0%" in text and "in process 2,1,1@16 96.0%" in text
+    assert len(text.splitlines()) <= 8
+
+
+def test_a_run_the_services_did_not_finish_still_shows_in_process(tmp_path):
+    text = summary(tmp_path, result(None, [row("off", 1, 170.0, "engine"), row("2,1,1@16", 1, 400.0, "engine")]))
+    assert "no services rows" in text and "in process 1 stream: off 170.0 tok/s, 2,1,1@16 400.0 = 2.35x off" in text
+    assert "services / in process" not in text
