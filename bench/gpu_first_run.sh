@@ -36,8 +36,7 @@ else  # the plumbing only: every part, on the smallest inputs
 fi
 
 if want tests; then
-    part tests 140 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"
-    figures tests "$work/tests.log"
+    tests_part 140 "${tests[@]}"
 fi
 if want runtime; then
     part runtime 110 python3 -m specinfer_bench.runtime --llm $fx/llm --ssm $fx/ssm-0 "${runtime[@]}" --out "$work/runtime_$gpu"

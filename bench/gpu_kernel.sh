@@ -46,9 +46,8 @@ else  # the plumbing only: the configuration tests, the smallest grid, two tiny 
 fi
 
 if want tests; then
-    part tests "${limits[0]}" python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"
+    tests_part "${limits[0]}" "${tests[@]}"
     rc=$?
-    figures tests "$work/tests.log"
     if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 137 ]; then  # a failure, not the time limit: stop here
         say "tests failed: the rest is skipped; the failure is in tests.log"
         gpu_finish

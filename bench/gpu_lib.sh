@@ -18,6 +18,8 @@
 #   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
 #   say TEXT                    a line of figures in the summary
 #   figures KIND PATH           the summary's lines of a part's result (specinfer_bench.gpu_summary)
+#   tests_part SECONDS TESTS... the part "tests": pytest stopped at the first failure, its summary lines;
+#                               pytest's exit status (124 or 137: the time limit)
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
 #   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
 
@@ -137,6 +139,15 @@ say() {
 
 figures() {  # KIND PATH
     python3 -m specinfer_bench.gpu_summary "$@" | while read -r line; do say "  $line"; done
+}
+
+tests_part() {  # SECONDS TESTS...
+    local limit=$1 rc
+    shift
+    part tests "$limit" python3 -m pytest -q -x -p no:cacheprovider "$@"
+    rc=$?
+    figures tests "$work/tests.log"
+    return $rc
 }
 
 gpu_tests_record() {  # prints a summary a GPU run brought back (a bench/results/NAME_GPU_summary.txt, GPU not cpu)

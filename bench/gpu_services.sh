@@ -41,9 +41,8 @@ llm=$([ "${shm:-0}" -ge 20 ] && echo /dev/shm || echo /tmp)/specinfer-llm-$size
 left() { local s=$(( GPU_START + budget - $(date +%s) )); echo $(( s > 60 ? s : 60 )); }  # (timeout 0: none)
 
 if [ "$only" = tests ] || { [ -z "$only" ] && ! record=$(gpu_tests_record); }; then
-    part tests 120 python3 -m pytest -q -x -p no:cacheprovider "${tests[@]}"
+    tests_part 120 "${tests[@]}"
     rc=$?
-    figures tests "$work/tests.log"
     if [ $rc != 0 ]; then
         say "the tests failed: nothing else was run (the failure: tests.log in the archive)"
         gpu_finish

@@ -96,3 +96,12 @@ def test_the_tests_record_is_a_gpu_runs_summary_whose_tests_passed(tmp_path):
     (results / "first_run_h200_summary.txt").write_text("first_run on h200\ntests: ok in 95 s\n")
     proc = bash("gpu_tests_record", tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == "bench/results/first_run_h200_summary.txt"
+
+
+def test_the_tests_part_names_the_first_failure_and_returns_pytests_status(tmp_path):
+    (tmp_path / "test_probe.py").write_text("def test_fine():\n    pass\n\n\ndef test_broken():\n    assert 1 == 2\n")
+    proc = bash(f"gpu_setup probe cpu || exit 9\ntests_part 60 {tmp_path / 'test_probe.py'}; echo \"status $?\"",
+                ROOT, OUT=str(tmp_path / "out"))
+    assert "status 1" in proc.stdout.splitlines(), proc.stdout + proc.stderr
+    assert "tests: FAILED (exit 1)" in proc.stdout
+    assert re.search(r"tests: 1 failed, 1 passed.*; first failure: \S+test_probe.py::test_broken", proc.stdout)
