@@ -18,7 +18,7 @@
 #   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
 #   say TEXT                    a line of figures in the summary
 #   figures KIND PATH           the summary's lines of a part's result (specinfer_bench.gpu_summary)
-#   tests_part SECONDS TESTS... the part "tests": pytest stopped at the first failure, its summary lines;
+#   tests_part SECONDS TESTS... the part "tests": pytest stopped at the first failure (8 processes with xdist), its summary lines;
 #                               pytest's exit status (124 or 137: the time limit)
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
 #   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
@@ -142,9 +142,12 @@ figures() {  # KIND PATH
 }
 
 tests_part() {  # SECONDS TESTS...
-    local limit=$1 rc
+    local limit=$1 rc workers=()
     shift
-    part tests "$limit" python3 -m pytest -q -x -p no:cacheprovider "$@"
+    # The CUDA tests compile 95 kernel variants, 226 s of one core here (bench/results/kernel_compile_sm90_cuda_tests.md):
+    # where pytest-xdist is (the GPU image has it), 8 processes compile them side by side
+    python3 -c 'import xdist' 2>/dev/null && workers=(-n 8)
+    part tests "$limit" python3 -m pytest -q -x -p no:cacheprovider "${workers[@]}" "$@"
     rc=$?
     figures tests "$work/tests.log"
     return $rc

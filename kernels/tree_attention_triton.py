@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from .batch import TreeBatch
 
@@ -288,6 +289,10 @@ def _tree_kernel(
                  o.to(O.dtype.element_ty), mask=io_mask)
 
 
+# Whether the kernels run in Triton's CPU interpreter: decided when they were decorated (TRITON_INTERPRET=1 then)
+INTERPRETED = not isinstance(_prefix_kernel, triton.runtime.JITFunction)
+
+
 def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(request, first row) of every tile of BLOCK_M (query, head-in-group) rows, computed on the
     device from q_starts, padded with request -1 up to a bound that depends only on shapes;
@@ -309,17 +314,18 @@ def _tiles(batch: TreeBatch, group: int, block_m: int) -> tuple[torch.Tensor, to
 
 
 @functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(gpu_driver, device: int) -> int:
+    return gpu_driver.utils.get_device_properties(device)["multiprocessor_count"]
 
 
-def _num_splits(programs: int, max_seq_len: int, min_split: int, device: torch.device) -> int:
+def _num_splits(programs: int, max_seq_len: int, min_split: int) -> int:
     """The most key splits a request's prefix may use: enough to give every SM about two programs,
     each split at least `min_split` keys long. Which of them a request uses is planned on the
-    device from its real length (`_splits_of`), so a bucket's bound costs idle programs, not work."""
-    if device.type != "cuda" or programs == 0:
+    device from its real length (`_splits_of`), so a bucket's bound costs idle programs, not work.
+    The SMs are those of the GPU Triton compiles for (its active driver's current device)."""
+    if INTERPRETED or programs == 0:
         return 1
-    sms = _sm_count(device)
+    sms = _sm_count(driver.active, driver.active.get_current_device())
     return max(1, min(math.ceil(2 * sms / programs), math.ceil(max_seq_len / min_split), 64))
 
 
@@ -345,13 +351,13 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m, block_n = config.tile_rows(batch.max_queries * group), config.block_n
     tile_request, tile_row = _tiles(batch, group, block_m)
     min_split = block_n if num_splits else 4 * block_n
-    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split, q.device)
+    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split)
     direct = splits == 1 and not batch.has_tree
     o = out[None] if direct else torch.empty(splits, n_q, hq, d, dtype=torch.float32, device=q.device)
     lse = o if direct else torch.empty(splits, n_q, hq, dtype=torch.float32, device=q.device)
     common = dict(GROUP=group, BLOCK_SIZE=bs, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
                   BLOCK_M=block_m, BLOCK_N=block_n, MIN_SPLIT=min_split, IEEE=q.dtype == torch.float32,
-                  UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+                  UPCAST=q.dtype == torch.bfloat16 and INTERPRETED)
     kv_strides = (k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
                   v_cache.stride(0), v_cache.stride(2), v_cache.stride(1))
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)

@@ -63,9 +63,10 @@ def timed_ms(fn, cuda: bool) -> float:
     return median_ms(fn, 7)
 
 
-def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv=8, d=128, bs=16):
+def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv=8, d=128, bs=16, fill=torch.randn):
     """A batch of `batch` requests, each a `prefix`-token cache plus a `tree`-node tree (tree=1: one
-    new committed token, plain decoding), its pages scattered over the pool."""
+    new committed token, plain decoding), its pages scattered over the pool. `fill` makes q, K and V
+    (torch.empty where only shapes matter: compiling)."""
     rng = random.Random(prefix * 7 + tree * 3 + batch)
     per = -(-(prefix + tree) // bs)
     order = list(range(per * batch))
@@ -79,9 +80,9 @@ def attention_case(prefix: int, tree: int, batch: int, dtype, device, hq=32, hkv
             parents = random_tree(rng, tree, 2).parents
             views.append(RequestView(blocks, prefix, 0, prefix, parents, len(parents)))
     tb = TreeBatch.build(views, bs, device)
-    q = torch.randn(tb.host_q_starts[-1], hq, d, dtype=dtype, device=device)
-    k = torch.randn(per * batch, bs, hkv, d, dtype=dtype, device=device)
-    v = torch.randn_like(k)
+    q = fill(tb.host_q_starts[-1], hq, d, dtype=dtype, device=device)
+    k = fill(per * batch, bs, hkv, d, dtype=dtype, device=device)
+    v = fill(per * batch, bs, hkv, d, dtype=dtype, device=device)
     return q, k, v, tb
 
 
@@ -124,11 +125,14 @@ def card_peak_gbps() -> float | None:
     return next((v for k, v in PEAK_GBPS.items() if k in torch.cuda.get_device_name()), None)
 
 
+def grid_cells(grid: dict) -> list[tuple[int, int, int]]:
+    return [(p, t, b) for p in grid["prefix"] for t in grid["tree"] for b in grid["batch"]]
+
+
 def bench_attention(grid: dict, dtype, device, peak: float | None) -> list[dict]:
     cuda = device.type == "cuda"
     rows = []
-    cases = [(p, t, b) for p in grid["prefix"] for t in grid["tree"] for b in grid["batch"]]
-    for prefix, tree, batch in tqdm(cases, desc="attention"):
+    for prefix, tree, batch in tqdm(grid_cells(grid), desc="attention"):
         q, k, v, tb = attention_case(prefix, tree, batch, dtype, device)
         row = {"prefix": prefix, "tree": tree, "batch": batch,
                "reference_ms": timed_ms(lambda: tree_attention_reference(q, k, v, tb), cuda),
@@ -257,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     if cuda:
         from specinfer_kernels.tree_attention_triton import default_config
         meta["config"] = str(default_config())
+    if cuda:  # the grid's variants compiled side by side first (2-5 s each in one process)
+        from .kernel_compile import Precompiler
+        with Precompiler() as compile_ahead:
+            compile_ahead([default_config()], grid_cells(grid), {}, dtype)
     attention = bench_attention(grid, dtype, device, peak)
     steps = []
     if not args.no_verifier:

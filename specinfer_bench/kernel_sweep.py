@@ -6,7 +6,9 @@ The search goes one axis at a time from the default: an axis's values are tried 
 the best so far, and a better one replaces it (better: more cells >= 1.0x, then a higher geometric
 mean of its ratios to SDPA); passes repeat until one changes nothing or the time budget
 (`--seconds`) runs out, which stops the sweep cleanly with what it has (a configuration cut short
-counts as incomplete). Each variant's output on a cell is checked against the reference before it is
+counts as incomplete). On a GPU the configurations an axis is about to try are first compiled side by side
+in worker processes (`kernel_compile.Precompiler`: one process compiles a variant in 2-5 s at head dim 128,
+which would spend the budget compiling), then timed one by one from Triton's cache. Each variant's output on a cell is checked against the reference before it is
 timed: a wrong one is recorded as wrong, not timed; one that does not compile or launch (shared
 memory, registers) is recorded with Triton's error. Every compiled variant's registers, spills and
 shared memory come from Triton's handle (null under the interpreter, which compiles nothing).
@@ -24,6 +26,7 @@ say nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -34,8 +37,9 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # before anything imports Triton: the kernel runs in its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if __name__ == "__main__" and not torch.cuda.is_available():  # run without a GPU, before anything imports Triton:
+    os.environ.setdefault("TRITON_INTERPRET", "1")               # the kernel runs in its interpreter (imported, the
+                                                                 # importer's setting stands: kernel_compile's has none)
 
 import triton  # noqa: E402
 
@@ -147,9 +151,11 @@ def rank(record: dict) -> tuple:
     return record["eligible"], record["wins"], record.get("geomean", 0.0)
 
 
-def search(axes: dict[str, list[int]], cells: list[Cell], deadline: float, peak: float | None) -> tuple[list[dict], bool]:
+def search(axes: dict[str, list[int]], cells: list[Cell], deadline: float, peak: float | None,
+           ahead=lambda configs: None) -> tuple[list[dict], bool]:
     """Coordinate descent from the default (module docstring). Returns every configuration's record,
-    best first, and whether the budget stopped the search."""
+    best first, and whether the budget stopped the search. `ahead(configs)` compiles the configurations
+    an axis is about to try, side by side (`kernel_compile.Precompiler`), before they are timed one by one."""
     records: dict[str, dict] = {}
     cut = False
 
@@ -163,12 +169,15 @@ def search(axes: dict[str, list[int]], cells: list[Cell], deadline: float, peak:
         return records[str(config)]
 
     current = TileConfig()
+    ahead([current])
     run(current)
     changed = True
     while changed and not cut:
         changed = False
         for axis, values in axes.items():
-            tried = [r for r in (run(dataclasses.replace(current, **{axis: v})) for v in values) if r and r["eligible"]]
+            trials = [dataclasses.replace(current, **{axis: v}) for v in values]
+            ahead([c for c in trials if str(c) not in records])
+            tried = [r for r in map(run, trials) if r and r["eligible"]]
             best = max(tried, key=rank, default=None)
             mine = records.get(str(current))
             if best and (mine is None or rank(best) > rank(mine)):
@@ -227,7 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     cells, heads, axes = (GPU_CELLS, GPU_HEADS, GPU_AXES) if cuda else (CPU_CELLS, CPU_HEADS, CPU_AXES)
     peak = card_peak_gbps()
     prepared = prepare(cells, heads, dtype, device)
-    records, cut = search(axes, prepared, start + args.seconds, peak)
+    with contextlib.ExitStack() as stack:
+        ahead = lambda configs: None
+        if cuda:  # compiling takes 2-5 s a variant in one process: the GPU machine's cores compile an axis at once
+            from .kernel_compile import Precompiler
+            compile_ahead = stack.enter_context(Precompiler())
+            ahead = lambda configs: compile_ahead(configs, cells, heads, dtype)
+        records, cut = search(axes, prepared, start + args.seconds, peak, ahead)
     best = records[0] if records and records[0]["eligible"] else None
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.kernel_sweep", argv),
             "dtype": args.dtype, "heads": heads, "triton": triton.__version__, "peak_gbps": peak,
