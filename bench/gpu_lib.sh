@@ -144,7 +144,7 @@ figures() {  # KIND PATH
 tests_part() {  # SECONDS TESTS...
     local limit=$1 rc workers=()
     shift
-    # The CUDA tests compile 95 kernel variants, 226 s of one core here (bench/results/kernel_compile_sm90_cuda_tests.md):
+    # The CUDA tests compile 96 kernel variants, 231 s of one core here (bench/results/kernel_compile_sm90_cuda_tests.md):
     # where pytest-xdist is (the GPU image has it), 8 processes compile them side by side
     python3 -c 'import xdist' 2>/dev/null && workers=(-n 8)
     part tests "$limit" python3 -m pytest -q -x -p no:cacheprovider "${workers[@]}" "$@"

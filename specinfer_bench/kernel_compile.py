@@ -115,16 +115,17 @@ def cubin_figures(cubin: bytes) -> dict:
 class _Utils:
     def __init__(self, properties: dict, loaded: list[dict]):
         self.properties, self.loaded = properties, loaded
-        self.figures: dict[bytes, dict] = {}  # by cubin: Triton loads a kernel again at every launch here
+        self.figures: dict[str, dict] = {}  # by compiled kernel: Triton loads one again at every launch here
+        self.loading = None  # the hash of the kernel being loaded (the launcher is made just before)
 
     def get_device_properties(self, device):
         return self.properties
 
     def load_binary(self, name, kernel, shared, device):
         # (no module handle, so a launch finds the kernel unloaded and loads it again: a variant is recorded once)
-        figures = self.figures.get(kernel)
+        figures = self.figures.get(self.loading)
         if figures is None:
-            figures = self.figures[kernel] = cubin_figures(kernel)
+            figures = self.figures[self.loading] = cubin_figures(kernel)
             self.loaded.append({"kernel": name, **figures, "shared": shared,
                                 "fits": shared <= self.properties["max_shared_mem"]})
         return None, None, figures["regs"], figures["stack"], 1024  # module, function, registers, spills, threads
@@ -153,6 +154,7 @@ class OfflineDriver:
         return self.target
 
     def launcher_cls(self, src, metadata):
+        self.utils.loading = metadata.hash  # Triton's cache key of the variant whose binary it loads next
         return lambda *args, **kwargs: None
 
 
