@@ -23,7 +23,7 @@
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
 #   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
 
-GPU_WHEELS=(grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 dnspython==2.9.2
+GPU_WHEELS=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 dnspython==2.9.2
             gguf==0.19.0 llguidance==1.9.1)
 
 CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -84,15 +85,21 @@ class _Bucket:
         return self.capacity.fits(layout.needs) and layout.n_rows <= self.rows
 
 
-_POOLS: dict[torch.device, tuple] = {}  # one graph memory pool per device, shared by every runner of the process
+_POOLS: dict[torch.device, tuple[tuple, weakref.WeakSet]] = {}  # per device: the pool every runner of the
+# process shares, and the graphs captured in it
 
 
-def graph_pool(device: torch.device) -> tuple:
-    """The process's graph memory pool on `device`: graphs replay one at a time on one thread, so
-    all of them (every bucket of every model) can share their intermediate memory."""
-    if device not in _POOLS:
-        _POOLS[device] = torch.cuda.graph_pool_handle()
-    return _POOLS[device]
+def graph_pool(device: torch.device, graph) -> tuple:
+    """The process's graph memory pool on `device`, for `graph` to be captured in: graphs replay one at
+    a time on one thread, so all of them (every bucket of every model) can share their intermediate
+    memory. A pool lives as long as a graph captured in it: once the last is gone (its runner dropped),
+    PyTorch frees the pool and its handle may not be used again, so the next graph gets a new one."""
+    handle, graphs = _POOLS.get(device, (None, weakref.WeakSet()))
+    if not graphs:
+        handle, graphs = torch.cuda.graph_pool_handle(), weakref.WeakSet()
+        _POOLS[device] = handle, graphs
+    graphs.add(graph)
+    return handle
 
 
 class StepRunner:
@@ -145,7 +152,7 @@ class StepRunner:
         for bucket in tqdm(self.buckets[::-1], desc="capturing CUDA graphs", disable=not progress):
             step = self.model.prepare(Layout.empty(self.pool), capacity=bucket.capacity, staging=bucket.staging)
             bucket.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bucket.graph, pool=graph_pool(self.model.device)):
+            with torch.cuda.graph(bucket.graph, pool=graph_pool(self.model.device, bucket.graph)):
                 self.logits[: bucket.rows].copy_(self.model.run(step))
         torch.cuda.synchronize()
         self.graph_bytes = torch.cuda.memory_reserved() - before

@@ -48,6 +48,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
@@ -66,7 +67,6 @@ from .report import _plt, command_line, machine, median_ms
 MODELS = ("llm", "llm-1b", "ssm")
 SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size -> the SSM's draft
 CPU_ONLY = {"llm-1b": ({1}, {0, 16})}  # model -> (batches, trees) the CPU run measures of it
-DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # what the GPU is busy with (one stream: no overlap)
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
 
@@ -76,9 +76,16 @@ def device_activity(fn) -> tuple[int, float]:
     kernels a replayed graph runs are traced one by one."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-    events = prof.events()
+    return activity(prof.events())
+
+
+def activity(events) -> tuple[int, float]:
+    """(launches, ms of GPU work) of a profile's events: the host's launch calls, and the time of the
+    device's events (kernels, copies, memsets: one stream, no overlap) other than annotations, which
+    span kernels already counted."""
     launches = sum(e.name in LAUNCH_CALLS for e in events)
-    busy_us = sum(e.time_range.elapsed_us() for e in events if e.activity_type in DEVICE_ACTIVITY)
+    busy_us = sum(e.time_range.elapsed_us() for e in events
+                  if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     return launches, busy_us / 1e3
 
 

@@ -23,8 +23,8 @@ T = TypeVar("T")
 def _settle(threads: int, device: torch.device) -> None:
     if threads:
         torch.set_num_threads(threads)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:  # bare "cuda" is the current device already (and
+        torch.cuda.set_device(device)                        # set_device refuses a device without an index)
 
 
 class ModelThread:

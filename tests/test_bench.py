@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from specinfer_bench.runtime import activity
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
 from .conftest import MODELS, ROOT
@@ -130,6 +131,21 @@ def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_pe
         assert eager["syncs"] == static["syncs"] == 1, r
         assert 1.0 <= r["context_growth"] <= 1.2, "random drafts are rarely accepted: about one token per step"
     assert "eager vs static" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_runtime_counts_launch_calls_and_the_gpu_time_of_device_events_but_not_their_annotations():
+    """The profile's events as torch 2.11 (the GPU image's) gives them, which have no activity type:
+    device events by their device type; a user annotation on the GPU spans kernels already counted."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(i, name, start, end, device_type=DeviceType.CPU, annotation=False):
+        return FunctionEvent(i, name, 1, start, end, device_type=device_type, is_user_annotation=annotation)
+
+    events = [event(0, "cudaLaunchKernel", 0, 5), event(1, "cudaGraphLaunch", 5, 9), event(2, "aten::mm", 0, 9),
+              event(3, "gemm", 10, 250, DeviceType.CUDA), event(4, "Memcpy HtoD", 250, 270, DeviceType.CUDA),
+              event(5, "step", 10, 270, DeviceType.CUDA, annotation=True)]
+    assert activity(events) == (2, 0.26)
 
 
 def test_manager_time_writes_its_table(tmp_path):

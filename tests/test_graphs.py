@@ -13,13 +13,15 @@ a graph (mode "static"); on CUDA the captured graphs themselves are checked.
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
 import torch
 
 from specinfer.generate import Engine, Mode, Request
-from specinfer.graphs import GraphConfig, StepRunner, bucket_sizes
+from specinfer import graphs
+from specinfer.graphs import GraphConfig, StepRunner, bucket_sizes, graph_pool
 from specinfer.model import Layout, LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.speculator import DraftRequest, Speculator
@@ -132,15 +134,42 @@ def test_graphs_need_a_cuda_device_and_modes_are_named():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_greedy_outputs_through_cuda_graphs_equal_eager_outputs(heldout_ids):
     """float32 (IEEE dots in the attention kernel, no TF32): padding changes block sizes and key
-    splits, which bf16 rounding could turn into a different argmax now and then."""
+    splits, which bf16 rounding could turn into a different argmax now and then. The second graphed
+    engine is built after the first is gone, with it the graph pool's last graph (see the next test)."""
     llm = LlamaModel.from_pretrained(MODELS / "llm", device="cuda")
     ssms = [LlamaModel.from_pretrained(MODELS / f"ssm-{i}", device="cuda") for i in range(2)]
     requests = [Request(p, 64) for p in heldout_ids]
-    outputs = {}
-    for mode in ("eager", "graphs"):
+    outputs = []
+    for mode in ("eager", "graphs", "graphs"):
         engine = Engine(llm, ssms, Mode.MERGED, [2, 1, 1], graphs=GraphConfig(mode=mode))
-        outputs[mode] = [g.token_ids for g in engine.generate(requests)]
-    assert outputs["graphs"] == outputs["eager"]
+        outputs.append([g.token_ids for g in engine.generate(requests)])
+        del engine
+        gc.collect()
+    assert outputs[1] == outputs[2] == outputs[0]
+
+
+def test_graphs_share_a_pool_while_one_captured_in_it_lives_and_get_a_new_one_after(monkeypatch):
+    """PyTorch frees a graph pool with the last graph captured in it, and asserts on a capture into
+    it after that (seen on an H200: an engine built after another was dropped). Handles are faked:
+    the property is which handle a capture gets."""
+    handles = iter(range(1, 100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(graphs, "_POOLS", {})
+    device = torch.device("cuda", 0)
+
+    class Graph:
+        pass
+
+    first, second = Graph(), Graph()
+    pool = graph_pool(device, first)
+    assert graph_pool(device, second) == pool
+    del first
+    gc.collect()
+    third = Graph()
+    assert graph_pool(device, third) == pool, "the second graph still lives in the pool"
+    del second, third
+    gc.collect()
+    assert graph_pool(device, Graph()) not in (pool, None)
 
 
 def test_a_step_of_padding_only_writes_nothing_a_request_holds():
