@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
-from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine
+from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine, default_tree_budget
 from specinfer.grammar import Grammars
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
@@ -47,10 +47,11 @@ class ManagerConfig(ServerConfig):
     tokenizer: str = option(DEFAULT_LLM, "the LLM's checkpoint (directory, .gguf file or the default), for its tokenizer")
     expansion: list[int] = option([2, 1, 1], "default expansion config k_1,...,k_m (for the default LLM and its drafter "
                                              "on a CPU; see bench/results/services_defaults_cpu.md)")
-    tree_budget: int = option(16, "tree nodes per iteration, shared by the batch (cuts each request's tree; on the default 2,1,1: "
-                                  "the whole tree for 1-2 requests, 2 levels for 3-4, 1 for 5-8, none from 9: plain "
-                                  "incremental; on a GPU, where a verifier step costs about the same for 1 row or 64, "
-                                  "give it 64 or more)")
+    tree_budget: int = option(0, "tree nodes per iteration, shared by the batch (cuts each request's tree); 0: by the "
+                                 "verifier's device, 16 on a CPU (on the default 2,1,1: the whole tree for 1-2 "
+                                 "requests, 2 levels for 3-4, 1 for 5-8, none from 9: plain incremental), 256 on a "
+                                 "GPU, where a step of hundreds of rows costs little more than one of a row per "
+                                 "request (the whole tree up to 42 requests, 2 levels at 64)")
     adaptive: bool = option(True, "choose each iteration's depth of the server's trees (down to none, or context "
                                   "lookup's chain alone without asking the speculators) from a cost model fitted "
                                   "online and the measured acceptance; off: the whole expansion within the tree budget")
@@ -109,18 +110,21 @@ async def main(cfg: ManagerConfig) -> None:
         raise ValueError(f"kv_watermark: must be in [0, 1), got {cfg.kv_watermark}")
     if cfg.turn_tokens < 0:
         raise ValueError(f"turn_tokens: must be >= 0, got {cfg.turn_tokens}")
+    if cfg.tree_budget < 0:
+        raise ValueError(f"tree_budget: must be >= 0 (0: by the verifier's device), got {cfg.tree_budget}")
     targets = [parse_target(entry) for entry in cfg.speculators]
     credentials = channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)  # to the verifier and speculators
     verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.internal_message_bytes, credentials)
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
+    tree_budget = cfg.tree_budget or default_tree_budget(vinfo.device)
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.internal_message_bytes, credentials,
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
     lookup = cfg.context_lookup and bool(speculators)
     tokenizer = Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json"))
     grammars = Grammars(tokenizer.to_str(), vinfo.vocab_size, list(vinfo.eos_token_ids))
-    engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, cfg.tree_budget,
+    engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
                                else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk)
@@ -131,7 +135,7 @@ async def main(cfg: ManagerConfig) -> None:
     info = generation_pb2.ModelInfo(
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
-        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=cfg.tree_budget,
+        max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=tree_budget,
         context_lookup_mask=1 << len(speculators) if lookup else 0, grammar_mask=1 << (len(speculators) + 1))
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))

@@ -303,6 +303,8 @@ class SpeculationController:
         """What the server drafts this iteration; full_trees[m-1] is the node count of one
         speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
         options = self.choices(len(full_trees))
+        if len(options) == 1:  # no tree fits the budget at this batch size: nothing to weigh
+            return PLAIN
         for c in options:  # measure every choice a couple of times first
             if self.seen.get(c, 0) < 2:
                 return c

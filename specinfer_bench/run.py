@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specinfer.checkpoints import default_ssms, served_ssms
+from specinfer.devices import resolve_device
 from specinfer.generate import Mode
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.model import LlamaModel, read_draft_vocab
@@ -117,7 +118,7 @@ def main(args) -> int:
     if not args.no_services:
         from .services import default_config, measure
 
-        default = default_config()
+        default = default_config(resolve_device("auto").type)  # where the services put the verifier
         svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
         services_rows = measure(llm_dir, args.ssm or served_ssms(), prompts, short, svc_configs, levels,

@@ -44,7 +44,7 @@ from manager_svc.__main__ import ManagerConfig
 from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
 from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.eagle import head_layers
-from specinfer.engine import Stats
+from specinfer.engine import Stats, default_tree_budget
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 from specinfer.generate import Engine, Mode, Request
@@ -64,11 +64,11 @@ CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is time
 SPLIT = ("ms_per_iteration", "verify_ms", "draft_ms", "overhead_ms", "mean_batch")  # of an engine's Stats.summary
 
 
-def default_config() -> str:
-    """The manager's own setting as a config: its default expansion and tree budget (manager_flags then
-    passes the adaptive controller and context lookup, its defaults too)."""
+def default_config(device: str) -> str:
+    """The manager's own setting as a config: its default expansion and tree budget for a verifier on
+    `device` (manager_flags then passes the adaptive controller and context lookup, its defaults too)."""
     defaults = ManagerConfig()
-    return f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget}"
+    return f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget or default_tree_budget(device)}"
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
@@ -258,10 +258,10 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     exact = dtype in (torch.float32, torch.float64)
     prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
-    configs = [default_config() if c == "default" else c for c in args.configs.split(";")]
+    configs = [default_config(device.type) if c == "default" else c for c in args.configs.split(";")]
     levels, ssms = [int(c) for c in args.concurrency.split(",")], args.ssm or served_ssms()
     result = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None),
-              "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(),
+              "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(device.type),
               "max_new_tokens": args.max_new_tokens, "requests_per_stream": args.requests_per_stream,
               "greedy_check": {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS}}
     save = lambda: args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # noqa: E731

@@ -15,6 +15,7 @@ import torch
 
 from manager_svc.__main__ import ManagerConfig
 from specinfer.generate import Engine, Mode, Request
+from specinfer.engine import default_tree_budget
 from specinfer.errors import CacheFull
 from specinfer.kv_cache import KVPool, commit_all
 from specinfer.model import LlamaModel
@@ -236,7 +237,7 @@ def test_manager_takes_blocks_on_demand_preempts_when_the_pool_overflows_and_sta
     never fit is refused with INVALID_ARGUMENT naming max_new_tokens."""
     prompts, new = heldout_ids[:6], 100
     defaults = ManagerConfig()
-    tree = min(tree_size(defaults.expansion), defaults.tree_budget) * 3  # each of two speculators and context lookup
+    tree = min(tree_size(defaults.expansion), default_tree_budget("cpu")) * 3  # each of two speculators and context lookup
     needs = [-(-(len(p) + new + tree) // 16) * 16 for p in prompts]
     kv = 2 * max(needs)
     system = launch(MODELS / "llm", [MODELS / "ssm-0", MODELS / "ssm-1"], speculators=2, port=0,
@@ -257,7 +258,7 @@ def test_manager_takes_blocks_on_demand_preempts_when_the_pool_overflows_and_sta
         with grpc.insecure_channel(system.by_name("verifier").address) as channel:
             info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
         assert info.kv_cache_tokens == kv and info.kv_block_size == 16
-        assert info.active_requests == 0 and info.kv_cache_free_tokens == kv and info.kv_cache_cached_tokens > 0
+        assert info.device == "cpu" and info.active_requests == 0 and info.kv_cache_free_tokens == kv and info.kv_cache_cached_tokens > 0
         with pytest.raises(grpc.RpcError) as e:
             generate_all(system.manager.address, [Request(prompts[0], kv)])
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("max_new_tokens:")

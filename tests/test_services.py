@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from manager_svc.__main__ import ManagerConfig
 from manager_svc.clients import VerifierClient
-from specinfer.engine import Check
+from specinfer.engine import Check, default_tree_budget
 from specinfer.errors import VerifierLost
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
@@ -299,7 +299,8 @@ def test_model_info_tokenize_and_health_and_reflection(system):
     info, text = asyncio.run(go())
     assert info.vocab_size == VOCAB and info.context_length == 2048 and list(info.eos_token_ids) == [0]
     defaults = ManagerConfig()
-    assert info.speculators == 2 and list(info.expansion) == defaults.expansion and info.tree_budget == defaults.tree_budget
+    assert info.speculators == 2 and list(info.expansion) == defaults.expansion
+    assert defaults.tree_budget == 0 and info.tree_budget == default_tree_budget("cpu"), "the CPU verifier's budget"
     assert info.context_lookup_mask == 4  # bit 2 of a tree node's speculators: after the two speculators
     assert text == "def f(x):\n    return x"
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase

@@ -134,4 +134,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                          kv_cache_free_tokens=pool.available * pool.block_size,
                                          kv_cache_cached_tokens=len(pool.cached) * pool.block_size,
                                          kv_block_size=pool.block_size,
-                                         feature_layers=self.verifier.feature_layers)
+                                         feature_layers=self.verifier.feature_layers,
+                                         device=self.verifier.model.device.type)

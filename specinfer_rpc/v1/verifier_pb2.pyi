@@ -93,7 +93,7 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests", "kv_cache_tokens", "kv_cache_free_tokens", "kv_block_size", "feature_layers", "kv_cache_cached_tokens")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "active_requests", "kv_cache_tokens", "kv_cache_free_tokens", "kv_block_size", "feature_layers", "kv_cache_cached_tokens", "device")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class VerifierInfo(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -114,4 +115,5 @@ class VerifierInfo(_message.Message):
     kv_block_size: int
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     kv_cache_cached_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., kv_cache_cached_tokens: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_requests: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_cache_free_tokens: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., feature_layers: _Optional[_Iterable[int]] = ..., kv_cache_cached_tokens: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
