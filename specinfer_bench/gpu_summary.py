@@ -44,6 +44,8 @@ def runtime(path: Path) -> list[str]:
                          f"{base[g]['step_ms']:.2f} ms {g} (busy {busy(base['eager']['gpu_busy'])} / "
                          f"{busy(base[g]['gpu_busy'])}, launches {base['eager']['launches']} / {base[g]['launches']})"
                          + (f"; trees vs one token ({g}): {trees}" if trees else ""))
+            if split := base[g].get("gpu_idle_ms"):
+                lines.append(f"  idle in its one-token step ({g}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
     return lines
 
 

@@ -27,7 +27,10 @@ Per step and mode:
 - launches: on CUDA the kernel and graph launches of one step (cudaLaunchKernel, cuLaunchKernel,
   cudaGraphLaunch runtime and driver calls); on the CPU the aten ops one step dispatches
   (`ops.count`), the proxy for launches that holds there;
-- syncs: host synchronizations of one step (`ops.count`).
+- syncs: host synchronizations of one step (`ops.count`);
+- GPU idle (CUDA only): the ms of a step the GPU sat idle (step less busy), split by what the host
+  was doing then: in the verifier's forward (staging, launching), its decide (acceptance, logits
+  to the host) or elsewhere ("other"), by the shares a profiled step gives (`idle`).
 
 bfloat16 on CUDA, float32 on the CPU. The CPU run measures the 1B-class model at batch 1 with trees
 0 and 16 only (2.5 minutes in all on a quiet 2-core VM, 9 GB of memory at most; the JSON lists
@@ -45,11 +48,12 @@ import math
 import random
 import statistics
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
 
 from specinfer.checkpoints import DEFAULT_LLM, fixtures_dir, served_ssms
@@ -68,25 +72,73 @@ MODELS = ("llm", "llm-1b", "ssm")
 SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size -> the SSM's draft
 CPU_ONLY = {"llm-1b": ({1}, {0, 16})}  # model -> (batches, trees) the CPU run measures of it
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+PHASES = ("forward", "decide")  # a verifier's methods whose host time a profiled step tells apart (the rest: "other")
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
 
 
-def device_activity(fn) -> tuple[int, float]:
-    """(kernel and graph launches, ms the GPU spent on kernels and copies) in one call of fn; the
-    kernels a replayed graph runs are traced one by one."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def device_activity(fn, owner) -> tuple[int, float, dict[str, float]]:
+    """(kernel and graph launches, ms the GPU spent on kernels and copies, where it sat idle: `idle`)
+    in one call of fn, with the owner's PHASES timed apart; the kernels a replayed graph runs are
+    traced one by one."""
+    with phase_ranges(owner), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
-    return activity(prof.events())
+    events = prof.events()
+    return *activity(events), idle(events)
+
+
+@contextmanager
+def phase_ranges(owner):
+    """The owner's PHASES methods (those it has) inside profiler ranges named phase.NAME meanwhile."""
+    names = [name for name in PHASES if hasattr(owner, name)]
+    for name in names:
+        def ranged(*args, _method=getattr(owner, name), _name=name, **kwargs):
+            with record_function(f"phase.{_name}"):
+                return _method(*args, **kwargs)
+        setattr(owner, name, ranged)  # an instance attribute, over the class's method
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(owner, name)
+
+
+def on_device(e) -> bool:
+    """A device event (kernel, copy, memset) of a profile, not an annotation spanning kernels counted already."""
+    return e.device_type == DeviceType.CUDA and not e.is_user_annotation
 
 
 def activity(events) -> tuple[int, float]:
     """(launches, ms of GPU work) of a profile's events: the host's launch calls, and the time of the
-    device's events (kernels, copies, memsets: one stream, no overlap) other than annotations, which
-    span kernels already counted."""
+    device's events (one stream, no overlap)."""
     launches = sum(e.name in LAUNCH_CALLS for e in events)
-    busy_us = sum(e.time_range.elapsed_us() for e in events
-                  if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
-    return launches, busy_us / 1e3
+    return launches, sum(e.time_range.elapsed_us() for e in events if on_device(e)) / 1e3
+
+
+def idle(events) -> dict[str, float]:
+    """Of the time the GPU sat idle within the host's span of the step, the share during each phase's
+    range (PHASES, as `phase_ranges` names them) and outside them ("other"): what kept it waiting."""
+    host = [e.time_range for e in events if e.device_type == DeviceType.CPU]
+    shares = dict.fromkeys((*PHASES, "other"), 0.0)
+    if not host:
+        return shares
+    start, end = min(r.start for r in host), max(r.end for r in host)
+    gaps, at = [], start
+    for s, t in sorted((e.time_range.start, e.time_range.end) for e in events if on_device(e)):
+        if s > at:
+            gaps.append((at, min(s, end)))
+        at = max(at, t)
+    gaps.append((at, end))
+    phases = [(e.name.removeprefix("phase."), e.time_range) for e in events
+              if e.device_type == DeviceType.CPU and e.name.startswith("phase.")]
+    for a, b in gaps:
+        inside = 0.0
+        for name, r in phases:
+            overlap = max(0.0, min(b, r.end) - max(a, r.start))
+            shares[name] += overlap
+            inside += overlap
+        shares["other"] += max(0.0, b - a - inside)
+    total = sum(shares.values())
+    return {k: v / total for k, v in shares.items()} if total else shares
 
 
 def synchronized(fn):
@@ -97,23 +149,27 @@ def synchronized(fn):
     return run
 
 
-def measure(steps: dict[str, object], repeats: int, cuda: bool) -> dict[str, dict]:
-    """Per mode: step ms (modes alternating step by step), GPU busy, launches, syncs."""
+def measure(steps: dict[str, object], owners: dict[str, object], repeats: int, cuda: bool) -> dict[str, dict]:
+    """Per mode: step ms (modes alternating step by step), GPU busy, launches, syncs; on CUDA the ms the
+    GPU sat idle in a step, split by what its owner's host was doing then (the profiled step's shares of
+    the idle time, applied to the unprofiled step's: the profiler slows the host)."""
     out = {}
     for mode, step in steps.items():
         for _ in range(2):  # warm-up: kernels compiled, buffers touched
             step()
         ops, syncs = count(step)
-        launches, busy_ms = device_activity(step) if cuda else (ops, None)
-        out[mode] = {"launches": launches, "syncs": syncs, "busy_ms": busy_ms}
+        launches, busy_ms, shares = device_activity(step, owners[mode]) if cuda else (ops, None, None)
+        out[mode] = {"launches": launches, "syncs": syncs, "busy_ms": busy_ms, "shares": shares}
     times = {mode: [] for mode in steps}
     for _ in range(repeats):
         for mode, step in steps.items():
             times[mode].append(median_ms(step, 1))
     for mode, figures in out.items():
         figures["step_ms"] = statistics.median(times[mode])
-        busy_ms = figures.pop("busy_ms")
+        busy_ms, shares = figures.pop("busy_ms"), figures.pop("shares")
         figures["gpu_busy"] = None if busy_ms is None else busy_ms / figures["step_ms"]
+        figures["gpu_idle_ms"] = None if shares is None else {
+            k: round(v * max(0.0, figures["step_ms"] - busy_ms), 4) for k, v in shares.items()}
     return out
 
 
@@ -152,7 +208,7 @@ def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int]], mode
                     if name == "ssm" else verifier_step(owner, batch, tree, prompt_len=prompt_len, rng=rng))
             steps[mode] = synchronized(step) if cuda else step
             start[mode] = sum(len(c.tokens) for c in owner.caches.values())
-        figures = measure(steps, repeats, cuda)
+        figures = measure(steps, owners, repeats, cuda)
         n_steps = 3 + cuda + repeats  # warm-up, counted, profiled on CUDA, timed
         growth = [sum(len(c.tokens) for c in owner.caches.values()) - start[m] for m, owner in owners.items()]
         longest = max(len(c.tokens) for owner in owners.values() for c in owner.caches.values())
@@ -191,6 +247,17 @@ def markdown(result: dict) -> str:
                    f"{s['step_ms']:.2f} | {r['graphed_vs_eager']:.2f} | {e['launches']} / {s['launches']} | "
                    f"{e['syncs']} / {s['syncs']} | {busy(e['gpu_busy'])} / {busy(s['gpu_busy'])} | "
                    f"{r['context_growth']:.2f} |")
+    idle = [r for r in result["rows"] if r[g].get("gpu_idle_ms")]
+    if idle:
+        out += ["", f"Where the GPU waits, {g}: the ms of a step it sat idle, by what the host was doing then (the "
+                "verifier's forward: staging and launching; decide: acceptance, logits to the host; other: the rest "
+                "of the step, validation and cache bookkeeping included; shares from a profiled step).", "",
+                "| model | batch | tree | step ms | idle ms | " + " | ".join(f"{p} ms" for p in (*PHASES, "other")) + " |",
+                "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in (*PHASES, "other")) + " |"]
+        for r in idle:
+            split = r[g]["gpu_idle_ms"]
+            out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r[g]['step_ms']:.2f} | {sum(split.values()):.2f} | "
+                       + " | ".join(f"{split[p]:.2f}" for p in (*PHASES, "other")) + " |")
     out += ["", "Models: " + "; ".join(f"{k}: {v['parameters'] / 1e6:.1f}M parameters, {v['layers']} layers, hidden "
                                       f"{v['hidden']}, graphs hold {v['graph_bytes'] / 2**20:.0f} MiB"
                                       for k, v in meta["models"].items())]

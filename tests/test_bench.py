@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from specinfer_bench.runtime import activity
+from specinfer_bench.runtime import activity, idle, phase_ranges
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
 from .conftest import MODELS, ROOT
@@ -146,6 +146,37 @@ def test_runtime_counts_launch_calls_and_the_gpu_time_of_device_events_but_not_t
               event(3, "gemm", 10, 250, DeviceType.CUDA), event(4, "Memcpy HtoD", 250, 270, DeviceType.CUDA),
               event(5, "step", 10, 270, DeviceType.CUDA, annotation=True)]
     assert activity(events) == (2, 0.26)
+
+
+def test_runtime_splits_the_gpus_idle_time_by_the_host_phase_it_fell_in():
+    """Idle: the step's host span less the device's events; each gap goes to the phase whose range it
+    falls in, the rest to "other". The phases' ranges come from the owner's methods, wrapped only
+    while the profiled step runs."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import ProfilerActivity, profile
+
+    def event(i, name, start, end, device_type=DeviceType.CPU):
+        return FunctionEvent(i, name, 1, start, end, device_type=device_type)
+
+    events = [event(0, "step", 0, 1000), event(1, "phase.forward", 100, 400), event(2, "phase.decide", 600, 900),
+              event(3, "gemm", 300, 500, DeviceType.CUDA), event(4, "argmax", 550, 650, DeviceType.CUDA)]
+    # gaps 0-300 (forward from 100), 500-550, 650-1000 (decide until 900): 700 us idle
+    assert idle(events) == pytest.approx({"forward": 200 / 700, "decide": 250 / 700, "other": 250 / 700})
+
+    class Owner:
+        def forward(self, x):
+            return x + 1
+
+        def decide(self, x):
+            return x * 2
+
+    owner = Owner()
+    with phase_ranges(owner), profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert owner.decide(owner.forward(1)) == 4
+    names = [e.name for e in prof.events()]
+    assert names.count("phase.forward") == 1 and names.count("phase.decide") == 1
+    assert "forward" not in vars(owner) and "decide" not in vars(owner), "the class's methods again after the step"
 
 
 def test_manager_time_writes_its_table(tmp_path):
