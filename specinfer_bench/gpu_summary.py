@@ -46,6 +46,13 @@ def runtime(path: Path) -> list[str]:
                          + (f"; trees vs one token ({g}): {trees}" if trees else ""))
             if split := base[g].get("gpu_idle_ms"):
                 lines.append(f"  idle in its one-token step ({g}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
+            largest = max((t for b, t in rows if b == batch), default=0)
+            if largest and base[g].get("top_kernels") and rows[batch, largest][g].get("top_kernels"):
+                before = {name: ms for name, _, ms in base[g]["top_kernels"]}
+                grew = sorted(((ms - before.get(name, 0.0), name) for name, _, ms in rows[batch, largest][g]["top_kernels"]),
+                              reverse=True)[:3]
+                lines.append(f"  what its {largest}-node tree adds ({g}, costliest kernels): "
+                             + ", ".join(f"{name[:48]} +{d:.3f} ms" for d, name in grew))
     return lines
 
 

@@ -30,7 +30,8 @@ Per step and mode:
 - syncs: host synchronizations of one step (`ops.count`);
 - GPU idle (CUDA only): the ms of a step the GPU sat idle (step less busy), split by what the host
   was doing then: in the verifier's forward (staging, launching), its decide (acceptance, logits
-  to the host) or elsewhere ("other"), by the shares a profiled step gives (`idle`).
+  to the host) or elsewhere ("other"), by the shares a profiled step gives (`idle`); and its
+  costliest kernels (name, launches, ms: `top_kernels`, in the JSON), which say what a tree adds.
 
 bfloat16 on CUDA, float32 on the CPU. The CPU run measures the 1B-class model at batch 1 with trees
 0 and 16 only (2.5 minutes in all on a quiet 2-core VM, 9 GB of memory at most; the JSON lists
@@ -73,17 +74,18 @@ SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size ->
 CPU_ONLY = {"llm-1b": ({1}, {0, 16})}  # model -> (batches, trees) the CPU run measures of it
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PHASES = ("forward", "decide")  # a verifier's methods whose host time a profiled step tells apart (the rest: "other")
+TOP_KERNELS = 8  # the costliest kinds of device work a row records
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
 
 
-def device_activity(fn, owner) -> tuple[int, float, dict[str, float]]:
-    """(kernel and graph launches, ms the GPU spent on kernels and copies, where it sat idle: `idle`)
-    in one call of fn, with the owner's PHASES timed apart; the kernels a replayed graph runs are
+def device_activity(fn, owner) -> tuple[int, float, dict[str, float], list]:
+    """(kernel and graph launches, ms the GPU spent on kernels and copies, where it sat idle: `idle`,
+    its costliest kernels: `top_kernels`) in one call of fn, with the owner's PHASES timed apart; the kernels a replayed graph runs are
     traced one by one."""
     with phase_ranges(owner), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
     events = prof.events()
-    return *activity(events), idle(events)
+    return *activity(events), idle(events), top_kernels(events)
 
 
 @contextmanager
@@ -112,6 +114,16 @@ def activity(events) -> tuple[int, float]:
     device's events (one stream, no overlap)."""
     launches = sum(e.name in LAUNCH_CALLS for e in events)
     return launches, sum(e.time_range.elapsed_us() for e in events if on_device(e)) / 1e3
+
+
+def top_kernels(events, n: int = TOP_KERNELS) -> list[tuple[str, int, float]]:
+    """The device's n costliest kinds of work in the step: (name, count, ms), by total time."""
+    total, count = {}, {}
+    for e in events:
+        if on_device(e):
+            total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
+            count[e.name] = count.get(e.name, 0) + 1
+    return [(name[:96], count[name], round(us / 1e3, 4)) for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def idle(events) -> dict[str, float]:
@@ -158,8 +170,8 @@ def measure(steps: dict[str, object], owners: dict[str, object], repeats: int, c
         for _ in range(2):  # warm-up: kernels compiled, buffers touched
             step()
         ops, syncs = count(step)
-        launches, busy_ms, shares = device_activity(step, owners[mode]) if cuda else (ops, None, None)
-        out[mode] = {"launches": launches, "syncs": syncs, "busy_ms": busy_ms, "shares": shares}
+        launches, busy_ms, shares, top = device_activity(step, owners[mode]) if cuda else (ops, None, None, None)
+        out[mode] = {"launches": launches, "syncs": syncs, "busy_ms": busy_ms, "shares": shares, "top_kernels": top}
     times = {mode: [] for mode in steps}
     for _ in range(repeats):
         for mode, step in steps.items():

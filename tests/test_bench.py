@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from specinfer_bench.runtime import activity, idle, phase_ranges
+from specinfer_bench.runtime import activity, idle, phase_ranges, top_kernels
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
 from .conftest import MODELS, ROOT
@@ -163,6 +163,8 @@ def test_runtime_splits_the_gpus_idle_time_by_the_host_phase_it_fell_in():
               event(3, "gemm", 300, 500, DeviceType.CUDA), event(4, "argmax", 550, 650, DeviceType.CUDA)]
     # gaps 0-300 (forward from 100), 500-550, 650-1000 (decide until 900): 700 us idle
     assert idle(events) == pytest.approx({"forward": 200 / 700, "decide": 250 / 700, "other": 250 / 700})
+    events.append(event(5, "argmax", 700, 760, DeviceType.CUDA))
+    assert top_kernels(events, 1) == [("gemm", 1, 0.2)] and top_kernels(events)[1] == ("argmax", 2, 0.16)
 
     class Owner:
         def forward(self, x):
@@ -177,6 +179,24 @@ def test_runtime_splits_the_gpus_idle_time_by_the_host_phase_it_fell_in():
     names = [e.name for e in prof.events()]
     assert names.count("phase.forward") == 1 and names.count("phase.decide") == 1
     assert "forward" not in vars(owner) and "decide" not in vars(owner), "the class's methods again after the step"
+
+
+def test_the_gpu_summary_of_a_runtime_run_says_where_the_gpu_waits_and_what_a_tree_adds(tmp_path):
+    from specinfer_bench.gpu_summary import runtime
+
+    def mode(ms, kernels):
+        return {"step_ms": ms, "gpu_busy": 0.6, "launches": 10, "top_kernels": kernels,
+                "gpu_idle_ms": {"forward": 0.25, "decide": 0.3, "other": 0.125}}
+
+    rows = [{"model": "llm-1b", "batch": 1, "tree": t, "eager": {"step_ms": 9.0, "gpu_busy": 0.1, "launches": 236},
+             "graphs": mode(ms, k)} for t, ms, k in ((0, 1.7, [["gemm_small", 64, 0.8], ["attn", 16, 0.1]]),
+                                                      (64, 2.4, [["gemm_large", 64, 1.0], ["attn", 16, 0.3]]))]
+    path = tmp_path / "runtime.json"
+    path.write_text(json.dumps({"meta": {"graphed": "graphs"}, "rows": rows}))
+    lines = runtime(path)
+    assert "trees vs one token (graphs): 64: 1.41x" in lines[0]
+    assert lines[1].endswith("forward 0.25 ms, decide 0.30 ms, other 0.12 ms")
+    assert lines[2].endswith("gemm_large +1.000 ms, attn +0.200 ms")
 
 
 def test_manager_time_writes_its_table(tmp_path):
