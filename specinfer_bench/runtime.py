@@ -74,7 +74,7 @@ SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size ->
 CPU_ONLY = {"llm-1b": ({1}, {0, 16})}  # model -> (batches, trees) the CPU run measures of it
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 PHASES = ("forward", "decide")  # a verifier's methods whose host time a profiled step tells apart (the rest: "other")
-TOP_KERNELS = 8  # the costliest kinds of device work a row records
+TOP_KERNELS = 12  # the costliest kinds of device work a row records
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
 
 
@@ -123,7 +123,7 @@ def top_kernels(events, n: int = TOP_KERNELS) -> list[tuple[str, int, float]]:
         if on_device(e):
             total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us()
             count[e.name] = count.get(e.name, 0) + 1
-    return [(name[:96], count[name], round(us / 1e3, 4)) for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
+    return [(name, count[name], round(us / 1e3, 4)) for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def idle(events) -> dict[str, float]:

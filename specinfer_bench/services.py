@@ -92,9 +92,10 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     return flags
 
 
-def engine_settings(config: str, ssms: int) -> dict:
+def engine_settings(config: str, ssms: int, device: str) -> dict:
     """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static or
-    @nolookup (the others name what only the services do); several SSMs merge their trees, as the manager does."""
+    @nolookup (the others name what only the services do); several SSMs merge their trees, as the manager does;
+    a budget of 0 is the manager's default for a verifier on `device`."""
     name, *options = config.split("@")
     budget = None if name == "off" else options.pop(0)
     if unknown := set(options) - {"static", "nolookup"}:
@@ -102,7 +103,7 @@ def engine_settings(config: str, ssms: int) -> dict:
     if name == "off":
         return {"mode": Mode.INCREMENTAL}
     return {"mode": Mode.MERGED if ssms > 1 else Mode.TREE, "expansion": [int(k) for k in name.split(",")],
-            "tree_budget": int(budget), "adaptive": "static" not in options, "lookup": "nolookup" not in options}
+            "tree_budget": int(budget) or default_tree_budget(device), "adaptive": "static" not in options, "lookup": "nolookup" not in options}
 
 
 def identical_share(what: str, outputs: list[list[int]], reference: list[list[int]], exact: bool) -> float:
@@ -134,7 +135,7 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
         raise ValueError("--in-process: its 'off' is the reference; give 'off' in --configs")
     reference, rows = [], []
     for config in sorted(configs, key=lambda c: c != "off"):
-        engine = Engine(llm, ssms, **engine_settings(config, len(ssms)))
+        engine = Engine(llm, ssms, **engine_settings(config, len(ssms), llm.device.type))
         outs = [g.token_ids for g in engine.generate([Request(q, CHECK_TOKENS) for q in prompts[:CHECK_PROMPTS]])]
         reference = reference or outs
         share = identical_share(f"in process {config}", outs, reference, exact)

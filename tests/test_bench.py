@@ -222,14 +222,18 @@ def test_in_process_settings_are_the_managers_and_refuse_what_only_the_services_
     from specinfer.generate import Mode
     from specinfer_bench.services import engine_settings, identical_share
 
-    assert engine_settings("off", 2) == {"mode": Mode.INCREMENTAL}
-    assert engine_settings("2,1,1@16", 2) == {"mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16,
-                                              "adaptive": True, "lookup": True}
-    one = engine_settings("1,1@8@static@nolookup", 1)
+    from specinfer.engine import default_tree_budget
+
+    assert engine_settings("off", 2, "cpu") == {"mode": Mode.INCREMENTAL}
+    assert engine_settings("2,1,1@16", 2, "cpu") == {"mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16,
+                                                     "adaptive": True, "lookup": True}
+    one = engine_settings("1,1@8@static@nolookup", 1, "cpu")
     assert one["mode"] == Mode.TREE and not one["adaptive"] and not one["lookup"]
+    for device in ("cpu", "cuda"):  # budget 0: the manager's default for the verifier's device, as --tree-budget 0
+        assert engine_settings("2,1,1@0", 2, device)["tree_budget"] == default_tree_budget(device)
     for config in ("off@logprobs", "2,1,1@16@mss"):
         with pytest.raises(ValueError, match="only through the services"):
-            engine_settings(config, 2)
+            engine_settings(config, 2, "cpu")
     reference = [[1, 2, 3, 4], [5, 6]]
     assert identical_share("x", reference, reference, exact=True) == 1.0
     assert identical_share("x", [[1, 2, 9, 9], [5, 6]], reference, exact=False) == 0.75
