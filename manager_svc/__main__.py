@@ -117,7 +117,7 @@ async def main(cfg: ManagerConfig) -> None:
     verifier = VerifierClient(cfg.verifier, cfg.verify_timeout, cfg.internal_message_bytes, credentials)
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
-    tree_budget = cfg.tree_budget or default_tree_budget(vinfo.device)
+    tree_budget = default_tree_budget(vinfo.device, cfg.tree_budget)
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.internal_message_bytes, credentials,
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))

@@ -11,9 +11,10 @@
    size at several batch sizes, relative to a one-token step.
 
 On CUDA everything runs natively: the kernel and SDPA timed from CUDA graphs, as the runtime runs
-attention (`timed_ms`), the reference (which waits on the device) and the verifier step call by call. Without a GPU the kernel
-would only run in Triton's interpreter, which says nothing about speed, so the CPU run times the
-reference and SDPA on a small grid and the verifier step on the shipped LLM, and says so.
+attention (`timed_ms`), the reference (which waits on the device) and the verifier step call by call.
+Without a GPU the kernel would only run in Triton's interpreter, which says nothing about speed, so
+the CPU run times the reference and SDPA on a small grid and the verifier step on the shipped LLM,
+and says so.
 
     python -m specinfer_bench.kernel --out bench/results/kernel_h200            # on a GPU
     python -m specinfer_bench.kernel --out bench/results/kernel_cpu             # CPU: small grid

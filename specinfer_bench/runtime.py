@@ -80,8 +80,8 @@ CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a r
 
 def device_activity(fn, owner) -> tuple[int, float, dict[str, float], list]:
     """(kernel and graph launches, ms the GPU spent on kernels and copies, where it sat idle: `idle`,
-    its costliest kernels: `top_kernels`) in one call of fn, with the owner's PHASES timed apart; the kernels a replayed graph runs are
-    traced one by one."""
+    its costliest kernels: `top_kernels`) in one call of fn, with the owner's PHASES timed apart; the
+    kernels a replayed graph runs are traced one by one."""
     with phase_ranges(owner), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
     events = prof.events()
@@ -259,14 +259,14 @@ def markdown(result: dict) -> str:
                    f"{s['step_ms']:.2f} | {r['graphed_vs_eager']:.2f} | {e['launches']} / {s['launches']} | "
                    f"{e['syncs']} / {s['syncs']} | {busy(e['gpu_busy'])} / {busy(s['gpu_busy'])} | "
                    f"{r['context_growth']:.2f} |")
-    idle = [r for r in result["rows"] if r[g].get("gpu_idle_ms")]
-    if idle:
+    waits = [r for r in result["rows"] if r[g].get("gpu_idle_ms")]
+    if waits:
         out += ["", f"Where the GPU waits, {g}: the ms of a step it sat idle, by what the host was doing then (the "
                 "verifier's forward: staging and launching; decide: acceptance, logits to the host; other: the rest "
                 "of the step, validation and cache bookkeeping included; shares from a profiled step).", "",
                 "| model | batch | tree | step ms | idle ms | " + " | ".join(f"{p} ms" for p in (*PHASES, "other")) + " |",
                 "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in (*PHASES, "other")) + " |"]
-        for r in idle:
+        for r in waits:
             split = r[g]["gpu_idle_ms"]
             out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r[g]['step_ms']:.2f} | {sum(split.values()):.2f} | "
                        + " | ".join(f"{split[p]:.2f}" for p in (*PHASES, "other")) + " |")

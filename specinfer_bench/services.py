@@ -68,7 +68,7 @@ def default_config(device: str) -> str:
     """The manager's own setting as a config: its default expansion and tree budget for a verifier on
     `device` (manager_flags then passes the adaptive controller and context lookup, its defaults too)."""
     defaults = ManagerConfig()
-    return f"{','.join(map(str, defaults.expansion))}@{defaults.tree_budget or default_tree_budget(device)}"
+    return f"{','.join(map(str, defaults.expansion))}@{default_tree_budget(device, defaults.tree_budget)}"
 
 
 def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
@@ -103,7 +103,8 @@ def engine_settings(config: str, ssms: int, device: str) -> dict:
     if name == "off":
         return {"mode": Mode.INCREMENTAL}
     return {"mode": Mode.MERGED if ssms > 1 else Mode.TREE, "expansion": [int(k) for k in name.split(",")],
-            "tree_budget": int(budget) or default_tree_budget(device), "adaptive": "static" not in options, "lookup": "nolookup" not in options}
+            "tree_budget": default_tree_budget(device, int(budget)), "adaptive": "static" not in options,
+            "lookup": "nolookup" not in options}
 
 
 def identical_share(what: str, outputs: list[list[int]], reference: list[list[int]], exact: bool) -> float:
