@@ -5,7 +5,8 @@
 #   tests       the CUDA path's tests natively, stopped at the first failure (kernels, fused layers,
 #               graphs, staging, specializations, the KV cache's Triton path)
 #   runtime     one step of the fixture LLM inflated to 1B class (bf16), eager against CUDA graphs:
-#               ms, GPU busy, launches, at batches 1 and 8 with trees of 0, 16 and 64 nodes
+#               ms, GPU busy, launches, at batches 1 and 8 with trees of 0, 16 and 64 nodes, greedy
+#               and sampled (T=1, coupled matching)
 #   host        host microseconds per forward (pinned staging, asynchronous copies)
 #   kernel      tree attention: the Triton kernel against its reference and SDPA (8 cells), the
 #               verifier step's cost against tree size
@@ -24,7 +25,7 @@ gpu_start first_run 'tests|runtime|host|kernel|divergence' "$@" || exit $?
 fx=models/fixtures
 if [ "$device" = cuda ]; then
     tests=("${CUDA_TESTS[@]}")
-    runtime=(--models llm-1b --batches 1,8 --trees 0,16,64 --repeats 10)
+    runtime=(--models llm-1b --batches 1,8 --trees 0,16,64 --temperatures 0,1 --repeats 10)
     host=(--batches 1,8,64 --trees 0,64 --repeats 20)
     kernel=(--grid small)
     divergence=(--prompts 8 --max-new-tokens 48)

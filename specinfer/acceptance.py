@@ -8,16 +8,19 @@ A step therefore emits len(path) + 1 tokens, and the bonus becomes the root of t
 
 Greedy: accept the child whose token is the LLM's argmax. Output equals incremental greedy
 decoding token for token. Batched: node u matches when its token is the argmax at its parent; it
-is accepted when it and all its ancestors match (one gather per tree level); the deepest accepted
-node's argmax is the bonus.
+is accepted when it and all its ancestors match (one gather along each node's chain of ancestors,
+laid out on the host); the deepest accepted node's argmax is the bonus.
 
 Coupled (sampled requests, the default): the same walk with the LLM's coupled sample
 (draws.coupled_sample, keyed by the request's seed and the record position) in place of the
 argmax: accept the child whose token equals it, else it is the bonus. Output equals plain seeded
 sampling token for token, whatever was drafted. A child is accepted with probability p(its token),
 so for drafts that are an SSM's top-k (deterministic) a node accepts with p(x_1) + ... + p(x_k),
-which is what MSS gives point-mass proposals. Batched: every request walks at once, one sample per
-request and tree level ([B, V] per level, not per node).
+which is what MSS gives point-mass proposals. Batched: the coupled sample of every row of every tree
+at once, then the greedy rule's matching with it in place of the argmax. The noise belongs to the
+request and the position a row predicts, so it is made once per request and depth of its tree. The ops
+dispatched grow with neither the batch nor the depth (on a GPU, launches are what a step of small
+kernels costs); the work is elementwise over the trees' rows [M, V].
 
 Stochastic, multi-step speculative sampling (MSS; sampled requests with `mss` set). p: the LLM's
 distribution at the node after the request's sampling transforms. The node's draft groups are tried in order; each draw x from q:
@@ -41,9 +44,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .draws import coupled_sample, probabilities, sample, uniform
+from .draws import coupled_noise, probabilities, sample, uniform
 from .sampling import SamplingParams, stream_key
 from .tree import TokenTree, depths
 
@@ -74,7 +78,8 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
     # [B, bonus + accepted flags]; when the whole batch follows one rule, that rule's output as it is
     out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev) if len(rules) != 1 else None
     for part, rule in rules:
-        table = _Table.build([trees[b] for b in part], [row_starts[b] for b in part], n, dev)
+        keys = [stream_key(sampling[b].seed, "sample") for b in part] if rule is _coupled else None
+        table = _build([trees[b] for b in part], [row_starts[b] for b in part], n, dev, [positions[b] for b in part], keys)
         decided = rule(table, logits, [sampling[b] for b in part], [positions[b] for b in part])
         if out is None:
             out = decided
@@ -89,38 +94,102 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
 
 @dataclass
 class _Table:
-    """Trees padded to n nodes; node -1 (the root) is column 0 of `rows`, node u column u + 1."""
+    """Trees padded to n nodes; node -1 (the root) is column 0 of `rows`, node u column u + 1. Laid
+    out on the host (numpy, a few calls per tree level whatever the batch) and sent in one copy."""
 
     tokens: torch.Tensor  # [B, n] (padding: -1, never a token)
     parents: torch.Tensor  # [B, n] (padding: -1)
     rows: torch.Tensor  # [B, 1 + n] logits row of the root and of each node (padding: the root's)
+    chain: torch.Tensor  # [B, n, max(depth, 1)] each node's column, then its ancestors' (0: none left)
     trees: list[TokenTree]
-    depths: list[list[int]]  # per tree, each node's depth (host)
     depth: int  # the deepest node's depth
+    coupled: "_Rows | None" = None  # with keys: what the coupled rule needs
 
-    @classmethod
-    def build(cls, trees: list[TokenTree], row_starts: list[int], n: int, dev) -> "_Table":
-        tokens = [t.tokens + [-1] * (n - len(t)) for t in trees]
-        parents = [t.parents + [-1] * (n - len(t)) for t in trees]
-        rows = [[r + (u if u <= len(t) else 0) for u in range(1 + n)] for t, r in zip(trees, row_starts)]
-        node_depths = [depths(t.parents) for t in trees]
-        depth = max((max(d, default=0) for d in node_depths), default=0)
-        to = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
-        return cls(to(tokens), to(parents), to(rows), trees, node_depths, depth)
+
+@dataclass
+class _Rows:
+    """The trees' rows without padding (M: each tree's root, then its nodes) and the sampling keys."""
+
+    real: torch.Tensor  # [M] their logits rows
+    at: torch.Tensor  # [B, 1 + n] each table column's place among them (padding: its root's)
+    level: torch.Tensor  # [M] each one's noise row: its request's, at its depth (the root's: 0)
+    owner: list[int]  # [M] the request of each
+    key: torch.Tensor  # [L] the noise rows' keys: each request's sampling key, once per depth of its tree
+    predicted: torch.Tensor  # [L] the record position that depth's rows predict
+
+
+def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions: list[int],
+           keys: list[int] | None = None) -> _Table:
+    """The table of the trees, and with `keys` (the coupled rule's) its `_Rows`."""
+    B = len(trees)
+    tokens, parents = np.full((B, n), -1, dtype=np.int64), np.full((B, n), -1, dtype=np.int64)
+    for b, t in enumerate(trees):
+        if t.tokens:
+            tokens[b, : len(t)] = t.tokens
+            parents[b, : len(t)] = t.parents
+    # each node's chain of ancestors, one column per level, as indices into the flat [B * n] nodes
+    request, chain, depth = np.arange(B)[:, None], np.zeros((B, n, 1), dtype=np.int64), 0
+    if n:
+        offset = request * n
+        up = np.append(np.where(parents >= 0, parents + offset, -1), -1)  # [B * n + 1]: index -1 stays -1
+        cols, cur = [], np.arange(B * n)
+        while cur.max() >= 0:
+            cols.append(cur)
+            cur = up[cur]
+        depth = len(cols)
+        up_chain = np.stack(cols, axis=1).reshape(B, n, depth)
+        chain = np.where(up_chain >= 0, up_chain - offset[:, :, None] + 1, 0)  # columns of `_match`'s table
+    sizes = np.array([len(t) for t in trees], dtype=np.int64)
+    column = np.arange(1 + n)
+    kept = column <= sizes[:, None]  # [B, 1 + n]: the root and the tree's nodes
+    rows = np.asarray(row_starts, dtype=np.int64)[:, None] + np.where(kept, column, 0)
+    parts = [tokens, parents, rows, chain]
+    if keys is not None:  # every request's rows, and one noise row per request and depth it has
+        place = np.cumsum(kept.ravel()).reshape(B, 1 + n) - 1
+        row_depths = np.concatenate([np.zeros((B, 1), dtype=np.int64), (chain > 0).sum(axis=2)], axis=1)
+        levels = row_depths.max(axis=1) + 1  # [B]
+        first = np.cumsum(levels) - levels
+        ahead = np.arange(levels.sum()) - np.repeat(first, levels)  # each noise row's depth
+        parts += [rows[kept], np.where(kept, place, place[:, :1]), (first[:, None] + row_depths)[kept],
+                  np.repeat(np.array(keys, dtype=np.int64), levels), np.repeat(np.array(positions, dtype=np.int64), levels) + ahead]
+    flat = torch.from_numpy(np.concatenate([p.ravel() for p in parts])).to(dev, non_blocking=True)
+    ends = list(itertools.accumulate(p.size for p in parts))
+    sent = [flat[a:b].view(p.shape) for a, b, p in zip([0, *ends], ends, parts)]
+    coupled = None
+    if keys is not None:
+        real, at, level, key, predicted = sent[4:]
+        coupled = _Rows(real, at, level, np.repeat(np.arange(B), sizes + 1).tolist(), key, predicted)
+    return _Table(*sent[:4], trees, depth, coupled)
+
+
+def _match(t: _Table, target: torch.Tensor) -> torch.Tensor:
+    """target [B, 1 + n]: the token the LLM takes after the root and after each node. Node u matches
+    when its token is the target at its parent; it is accepted when it and all its ancestors match
+    (one gather along `chain`, whatever the depth); the deepest accepted node's target is the bonus.
+    Returns [B, 1 + n]: the bonus, then each node's accepted flag."""
+    B, n, d = t.chain.shape
+    if not n:  # no tree in the batch: the bonus is the target at the root
+        return target[:, :1]
+    match = t.tokens == target.gather(1, t.parents + 1)  # [B, n]
+    settled = torch.cat([torch.ones_like(match[:, :1]), match], dim=1)  # column 0: no node left, true
+    ok = settled.gather(1, t.chain.view(B, n * d)).view(B, n, d).all(dim=2)  # [B, n]
+    # parents come before children, so the accepted path's deepest node has its largest index
+    deepest = (ok.long() * torch.arange(1, n + 1, device=ok.device)).amax(dim=1, keepdim=True)
+    return torch.cat([target.gather(1, deepest), ok.long()], dim=1)
 
 
 def _greedy(t: _Table, logits: torch.Tensor, sampling, positions) -> torch.Tensor:
-    target = logits.argmax(dim=-1)[t.rows]  # [B, 1 + n]: the LLM's argmax after the root and each node
-    match = t.tokens == target.gather(1, t.parents + 1)  # [B, n]
-    ok = match
-    for _ in range(t.depth - 1):  # after i rounds, nodes down to depth i + 1 are settled
-        ok = match & torch.cat([torch.ones_like(ok[:, :1]), ok], dim=1).gather(1, t.parents + 1)
-    n = ok.shape[1]
-    index = torch.where(ok, torch.arange(n, device=ok.device), -1)
-    none = torch.full((index.shape[0], 1), -1, dtype=index.dtype, device=index.device)
-    deepest = torch.cat([none, index], dim=1).amax(dim=1)  # DFS order: the deepest accepted node is the last
-    bonus = target.gather(1, (deepest + 1)[:, None])
-    return torch.cat([bonus, ok.long()], dim=1)
+    return _match(t, logits.argmax(dim=-1)[t.rows])  # the LLM's argmax after the root and each node
+
+
+def _coupled(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """Every row's coupled sample at once (ops do not grow with the depth): a row's noise is its
+    request's key at the record position the row predicts, so a request's rows of one depth share
+    one noise row, made once (a request without a tree: one)."""
+    r = t.coupled
+    p = probabilities(logits[r.real], [sampling[b] for b in r.owner])  # [M, V]
+    noise = coupled_noise(r.key, r.predicted, logits.shape[1])  # [L, V]
+    return _match(t, (p / noise[r.level]).argmax(dim=-1)[r.at])
 
 
 @dataclass
@@ -155,20 +224,6 @@ class _Walk:
 
     def verdicts(self) -> torch.Tensor:
         return torch.cat([self.bonus[:, None], self.accepted.long()], dim=1)
-
-
-def _coupled(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    dev = logits.device
-    B, n = t.tokens.shape
-    to = lambda x: torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
-    key, position = to([stream_key(s.seed, "sample") for s in sampling]), to(positions)
-    walk = _Walk.start(B, n, dev)
-    for depth in range(t.depth + 1):
-        target = coupled_sample(probabilities(logits[walk.rows(t)], sampling), key, position + depth)
-        hit = (t.parents + 1 == walk.cur[:, None]) & (t.tokens == target[:, None])  # [B, n]: at most one
-        child = torch.where(hit.any(dim=1), (hit.long() * torch.arange(n, device=dev)).sum(dim=1), -1)
-        walk.advance(child, target)
-    return walk.verdicts()
 
 
 def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
@@ -238,7 +293,7 @@ class _Draws:
         child, group, first, start, count = [], [], [], [], []
         q_ids, q_probs, replacement = [[0]], [[0.0]], [False]  # group 0: padding
         widest = [0] * (1 + t.depth)
-        for tree, node_depths in zip(t.trees, t.depths):
+        for tree in t.trees:
             by_node: list[list] = [[] for _ in range(1 + n)]
             for g in tree.groups:
                 gi = len(q_ids)
@@ -251,7 +306,7 @@ class _Draws:
             group.append([g for _, g, _ in flat])
             first.append([f for _, _, f in flat])
             count.append([len(node) for node in by_node])
-            for d, c in zip([0, *node_depths], count[-1]):
+            for d, c in zip([0, *depths(tree.parents)], count[-1]):
                 widest[d] = max(widest[d], c)
             start.append([0, *itertools.accumulate(count[-1][:-1])])
         m = max(1, max(map(len, child)))

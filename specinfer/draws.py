@@ -118,15 +118,23 @@ def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
     return _fmix32(_int32(torch.arange(vocab, device=device) + _GOLDEN))
 
 
-def coupled_sample(p: torch.Tensor, key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """One token per row of p [R, V] (non-negative, any positive total): argmax_v p[v] / E_v with
-    E_v = -log u and u the uniform number of (key [R], position [R], v), i.e. a sample with
-    probability p[v] / sum(p) made of noise that only the key, the position and the token decide.
+def coupled_noise(key: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E_v = -log u [..., V] (float32), u the uniform number of (key, position, v), for each element
+    of the broadcast of key and position (int64): the noise `coupled_sample` races p against.
 
     u keeps 23 bits, (2m + 1) / 2**24, so that it and -log u are exact in float32 at both ends."""
-    bits = _fmix32(_mix(key, position)[:, None] ^ _token_words(p.shape[-1], p.device))
-    u = ((bits >> 8) & 0x7FFFFF).float().mul_(2.0).add_(1.0).mul_(2.0**-24)
-    return (p.float() / u.log_().neg_()).argmax(dim=-1)
+    bits = _fmix32(_mix(key, position)[..., None] ^ _token_words(vocab, key.device))
+    u = ((bits >> 8) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23)  # (2m + 1) / 2**24, exactly
+    return u.log_().neg_()
+
+
+def coupled_sample(p: torch.Tensor, key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One token per row of p [R, V] (non-negative, any positive total): argmax_v p[v] / E_v with
+    E = coupled_noise(key [R], position [R]), i.e. a sample with probability p[v] / sum(p) made of
+    noise that only the key, the position and the token decide."""
+    return (p.float() / coupled_noise(key, position, p.shape[-1])).argmax(dim=-1)
+
+
 def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of p [R, V] (non-negative, any positive total) by inverting its CDF at
     u [R] in (0, 1): token i with probability p_i / sum(p). Never a token of zero probability."""

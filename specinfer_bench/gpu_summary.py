@@ -32,15 +32,17 @@ def runtime(path: Path) -> list[str]:
     g = result["meta"]["graphed"]
     busy = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
     lines = []
-    for model in dict.fromkeys(r["model"] for r in result["rows"]):
-        rows = {(r["batch"], r["tree"]): r for r in result["rows"] if r["model"] == model}
+    for model, temperature in dict.fromkeys((r["model"], r.get("temperature", 0)) for r in result["rows"]):
+        rows = {(r["batch"], r["tree"]): r for r in result["rows"]
+                if (r["model"], r.get("temperature", 0)) == (model, temperature)}
+        label = f"{model} T={temperature:g}" if temperature else model
         for batch in sorted({b for b, _ in rows}):
             base = rows.get((batch, 0))
             if base is None:
                 continue
             trees = ", ".join(f"{t}: {rows[batch, t][g]['step_ms'] / base[g]['step_ms']:.2f}x"
                               for t in sorted(t for b, t in rows if b == batch and t))
-            lines.append(f"runtime {model} batch {batch}: one token {base['eager']['step_ms']:.2f} ms eager, "
+            lines.append(f"runtime {label} batch {batch}: one token {base['eager']['step_ms']:.2f} ms eager, "
                          f"{base[g]['step_ms']:.2f} ms {g} (busy {busy(base['eager']['gpu_busy'])} / "
                          f"{busy(base[g]['gpu_busy'])}, launches {base['eager']['launches']} / {base[g]['launches']})"
                          + (f"; trees vs one token ({g}): {trees}" if trees else ""))

@@ -10,7 +10,9 @@ bucket costs and cannot show the launch overhead a graph saves.
 Models: `llm` (the shipped LLM), `llm-1b` (the shipped LLM inflated to Llama-3.2-1B's shape with
 `inflate --preset llama-1b`, in a temporary directory) and `ssm` (ssm-0). The step:
 - LLM: one `Verifier.step` over `batch` requests, each verifying a fresh random tree of `tree`
-  nodes (a fixed shape per row, fresh random tokens every step; tree 0: a plain one-token step).
+  nodes (a fixed shape per row, fresh random tokens every step; tree 0: a plain one-token step),
+  greedy or sampled at each of `--temperatures` (sampled: coupled matching, the default rule,
+  whose decide then draws the coupled sample of every row).
   Each row starts from fresh requests prefilled with `--prompt-len` random tokens. Random drafts
   are almost never accepted, so a step commits the bonus token and rarely more: the context grows
   by about one token per step (`context_growth` records it), never without bound.
@@ -203,21 +205,21 @@ def load(name: str, dtype: torch.dtype, device: torch.device, llm, ssm) -> Llama
     return LlamaModel.from_pretrained(ssm if name == "ssm" else llm, dtype, device)
 
 
-def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int]], modes: list[str], sizes: dict,
+def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int, float]], modes: list[str], sizes: dict,
                 prompt_len: int, repeats: int, bar) -> tuple[list[dict], int]:
-    """Rows of one model over its (batch, tree) cases, and the bytes its captured graphs hold."""
+    """Rows of one model over its (batch, tree, temperature) cases, and the bytes its captured graphs hold."""
     cuda = model.device.type == "cuda"
     kv_tokens = (sizes["max_batch"] + 1) * sizes["max_context"]
     owners = {m: (Speculator(model, kv_tokens=kv_tokens, graphs=GraphConfig(m, **sizes), progress=True) if name == "ssm"
                   else Verifier(model, kv_tokens, GraphConfig(m, **sizes), progress=True)) for m in modes}
     graphed = owners[modes[1]].run
     rows = []
-    for batch, tree in cases:
+    for batch, tree, temperature in cases:
         steps, start = {}, {}
         for mode, owner in owners.items():
             rng = random.Random(1000 * batch + tree)  # the same requests and trees in every mode
-            step = (speculator_draft(owner, batch, SSM_EXPANSIONS[tree], prompt_len=prompt_len, rng=rng)
-                    if name == "ssm" else verifier_step(owner, batch, tree, prompt_len=prompt_len, rng=rng))
+            step = (speculator_draft(owner, batch, SSM_EXPANSIONS[tree], temperature, prompt_len, rng)
+                    if name == "ssm" else verifier_step(owner, batch, tree, temperature, prompt_len, rng))
             steps[mode] = synchronized(step) if cuda else step
             start[mode] = sum(len(c.tokens) for c in owner.caches.values())
         figures = measure(steps, owners, repeats, cuda)
@@ -230,7 +232,7 @@ def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int]], mode
             nodes, tokens = tree_size(expansion), [batch * math.prod(expansion[:d]) for d in range(len(expansion))]
         else:
             expansion, nodes, tokens = None, tree, [batch * (1 + tree)]
-        rows.append({"model": name, "batch": batch, "tree": tree, "expansion": expansion, "nodes": nodes,
+        rows.append({"model": name, "batch": batch, "tree": tree, "temperature": temperature, "expansion": expansion, "nodes": nodes,
                      "tokens": tokens, "padded_tokens": [bucket(graphed, n) for n in tokens],
                      "context_growth": max(growth) / (batch * n_steps), **figures,
                      "graphed_vs_eager": figures[modes[1]]["step_ms"] / figures["eager"]["step_ms"]})
@@ -249,12 +251,14 @@ def markdown(result: dict) -> str:
            "per step.", "",
            "SSM trees are drafts of fixed expansions: " + ", ".join(f"{t}: <{','.join(map(str, e))}>"
                                                                     for t, e in SSM_EXPANSIONS.items()) + ".", "",
-           "| model | batch | tree | nodes | tokens | padded to | eager ms | " + g + " ms | " + g + " / eager | "
+           "T: the requests' temperature (0: greedy; sampled: coupled matching).", "",
+           "| model | batch | tree | T | nodes | tokens | padded to | eager ms | " + g + " ms | " + g + " / eager | "
            "launches eager / " + g + " | syncs eager / " + g + " | GPU busy eager / " + g + " | growth |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         e, s = r["eager"], r[g]
-        out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r['nodes']} | {','.join(map(str, r['tokens']))} | "
+        out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r['temperature']:g} | {r['nodes']} | "
+                   f"{','.join(map(str, r['tokens']))} | "
                    f"{','.join(str(p or 'eager') for p in r['padded_tokens'])} | {e['step_ms']:.2f} | "
                    f"{s['step_ms']:.2f} | {r['graphed_vs_eager']:.2f} | {e['launches']} / {s['launches']} | "
                    f"{e['syncs']} / {s['syncs']} | {busy(e['gpu_busy'])} / {busy(s['gpu_busy'])} | "
@@ -264,11 +268,12 @@ def markdown(result: dict) -> str:
         out += ["", f"Where the GPU waits, {g}: the ms of a step it sat idle, by what the host was doing then (the "
                 "verifier's forward: staging and launching; decide: acceptance, logits to the host; other: the rest "
                 "of the step, validation and cache bookkeeping included; shares from a profiled step).", "",
-                "| model | batch | tree | step ms | idle ms | " + " | ".join(f"{p} ms" for p in (*PHASES, "other")) + " |",
-                "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in (*PHASES, "other")) + " |"]
+                "| model | batch | tree | T | step ms | idle ms | " + " | ".join(f"{p} ms" for p in (*PHASES, "other")) + " |",
+                "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in (*PHASES, "other")) + " |"]
         for r in waits:
             split = r[g]["gpu_idle_ms"]
-            out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r[g]['step_ms']:.2f} | {sum(split.values()):.2f} | "
+            out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r['temperature']:g} | {r[g]['step_ms']:.2f} | "
+                       f"{sum(split.values()):.2f} | "
                        + " | ".join(f"{split[p]:.2f}" for p in (*PHASES, "other")) + " |")
     out += ["", "Models: " + "; ".join(f"{k}: {v['parameters'] / 1e6:.1f}M parameters, {v['layers']} layers, hidden "
                                       f"{v['hidden']}, graphs hold {v['graph_bytes'] / 2**20:.0f} MiB"
@@ -285,11 +290,12 @@ def plot(result: dict, path: Path) -> None:
     names = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
-        for i, batch in enumerate(sorted({r["batch"] for r in rows if r["model"] == name})):
-            mine = [r for r in rows if r["model"] == name and r["batch"] == batch]
+        lines = sorted({(r["batch"], r["temperature"]) for r in rows if r["model"] == name})
+        for i, (batch, temperature) in enumerate(lines):
+            mine = [r for r in rows if r["model"] == name and (r["batch"], r["temperature"]) == (batch, temperature)]
             for mode, style in (("eager", "-"), (g, "--")):
                 ax.plot([r["tree"] for r in mine], [r[mode]["step_ms"] for r in mine], style, marker="o",
-                        color=f"C{i}", label=f"batch {batch} {mode}")
+                        color=f"C{i}", label=f"batch {batch}{f' T={temperature:g}' if temperature else ''} {mode}")
         ax.set(yscale="log", xlabel="tree nodes per request" + (" (SSM: expansion)" if name == "ssm" else ""),
                ylabel="step ms", title=name)
         ax.grid(alpha=0.3)
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--trees", default="0,16,64",
                     help=f"nodes per request's tree ({sorted(SSM_EXPANSIONS)} for the SSM)")
+    ap.add_argument("--temperatures", default="0", help="the requests' temperatures, each a row (0: greedy; sampled: "
+                    "coupled matching)")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per mode and row (median reported)")
     ap.add_argument("--prompt-len", type=int, default=128)
     args = ap.parse_args(argv)
@@ -317,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     names = args.models.split(",")
     batches, trees = [int(b) for b in args.batches.split(",")], [int(t) for t in args.trees.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
     if set(names) - set(MODELS):
         ap.error(f"--models: {sorted(set(names) - set(MODELS))} not among {','.join(MODELS)}")
     if "ssm" in names and set(trees) - set(SSM_EXPANSIONS):
@@ -324,10 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     cases, skipped = {}, []
     for name in names:
         allowed = CPU_ONLY.get(name) if not cuda else None
-        cases[name] = [(b, t) for b in batches for t in trees if not allowed or (b in allowed[0] and t in allowed[1])]
-        skipped += [{"model": name, "batch": b, "tree": t, "reason": "CPU run: the 1B-class model at batch 1 with "
-                     "trees 0 and 16 only, so that the run takes about 5 minutes"}
-                    for b in batches for t in trees if (b, t) not in cases[name]]
+        cases[name] = [(b, t, T) for b in batches for t in trees for T in temperatures
+                       if not allowed or (b in allowed[0] and t in allowed[1])]
+        skipped += [{"model": name, "batch": b, "tree": t, "temperature": T, "reason": "CPU run: the 1B-class model "
+                     "at batch 1 with trees 0 and 16 only, so that the run takes about 5 minutes"}
+                    for b in batches for t in trees for T in temperatures if (b, t, T) not in cases[name]]
     graphed = "graphs" if cuda else "static"
     max_tree = max([1, *trees, *(tree_size(SSM_EXPANSIONS[t]) for t in trees if "ssm" in names)])
     sizes = {"max_tokens": 2 ** math.ceil(math.log2(max(batches) * (1 + max_tree))), "max_batch": max(batches),

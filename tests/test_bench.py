@@ -114,15 +114,15 @@ def test_kernel_benchmark_quick_run_writes_its_tables(tmp_path):
 def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_per_step(tmp_path):
     out = tmp_path / "runtime"
     proc = subprocess.run([sys.executable, "-m", "specinfer_bench.runtime", "--device", "cpu", "--models", "llm,ssm",
-                           "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0"), "--batches", "1", "--trees", "0,16", "--repeats", "2", "--out", str(out)], cwd=ROOT,
+                           "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0"), "--batches", "1", "--trees", "0,16", "--temperatures", "0,1", "--repeats", "2", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())
     meta = data["meta"]
     assert meta["graphed"] == "static" and meta["dtype"] == "float32" and "proxy" in meta["launches"]
     assert data["skipped"] == [] and set(meta["models"]) == {"llm", "ssm"}
-    cases = {(r["model"], r["batch"], r["tree"]) for r in data["rows"]}
-    assert cases == {(m, 1, t) for m in ("llm", "ssm") for t in (0, 16)}
+    cases = {(r["model"], r["batch"], r["tree"], r["temperature"]) for r in data["rows"]}
+    assert cases == {(m, 1, t, T) for m in ("llm", "ssm") for t in (0, 16) for T in (0, 1)}
     for r in data["rows"]:
         eager, static = r["eager"], r["static"]
         assert all(math.isfinite(m["step_ms"]) and m["step_ms"] > 0 and m["launches"] > 0 and m["gpu_busy"] is None
@@ -191,10 +191,12 @@ def test_the_gpu_summary_of_a_runtime_run_says_where_the_gpu_waits_and_what_a_tr
     rows = [{"model": "llm-1b", "batch": 1, "tree": t, "eager": {"step_ms": 9.0, "gpu_busy": 0.1, "launches": 236},
              "graphs": mode(ms, k)} for t, ms, k in ((0, 1.7, [["gemm_small", 64, 0.8], ["attn", 16, 0.1]]),
                                                       (64, 2.4, [["gemm_large", 64, 1.0], ["attn", 16, 0.3]]))]
+    rows += [dict(r, temperature=1.0) for r in rows]  # sampled rows: their own lines, labelled
     path = tmp_path / "runtime.json"
     path.write_text(json.dumps({"meta": {"graphed": "graphs"}, "rows": rows}))
     lines = runtime(path)
-    assert "trees vs one token (graphs): 64: 1.41x" in lines[0]
+    assert lines[0].startswith("runtime llm-1b batch 1:") and "trees vs one token (graphs): 64: 1.41x" in lines[0]
+    assert lines[3].startswith("runtime llm-1b T=1 batch 1:") and len(lines) == 6
     assert lines[1].endswith("forward 0.25 ms, decide 0.30 ms, other 0.12 ms")
     assert lines[2].endswith("gemm_large +1.000 ms, attn +0.200 ms")
 

@@ -1,7 +1,8 @@
 """Device-resident, batched steps: verification and tree drafting run as batched tensor ops on the
 model's device, with one host synchronization per step, and give what the per-request rules give.
 
-- Batched greedy verification equals the rule walked node by node in Python, on random trees.
+- Batched greedy and coupled verification equal the rules walked node by node in Python, on random
+  trees, and dispatch the same ops whatever the trees' depth.
 - Batched greedy drafting equals drafting each request alone, node by node, with transformers.
 - A seeded request's sampled tree is the same alone and in any batch.
 - A request re-drafted with no new tokens gets the same tree again (in-process and through the service).
@@ -20,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.model import DRAFT_VOCAB, LlamaModel
-from specinfer.sampling import SamplingParams
+from specinfer.draws import coupled_sample, probabilities
+from specinfer.sampling import SamplingParams, stream_key
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree, merge
 from specinfer.verifier import Verifier, VerifyRequest
@@ -50,21 +52,73 @@ def test_batched_greedy_verification_equals_the_rule_walked_per_request(seed):
     rng = random.Random(seed)
     vocab = 5  # small, so that many nodes match and paths are long
     trees = [merge([random_tree(rng, rng.choice([0, 1, 7, 30, 60]), vocab)]) for _ in range(16)]  # one node per path
-    starts, rows = [], 0
-    for t in trees:
-        starts.append(rows)
-        rows += 1 + len(t)
-    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
-    for t, start in zip(trees, starts):  # mostly, the LLM agrees with one child, so paths get long
-        for u in range(-1, len(t)):
-            kids = [c for c, p in enumerate(t.parents) if p == u]
-            if kids and rng.random() < 0.9:
-                logits[start + 1 + u, t.tokens[rng.choice(kids)]] += 10.0
+    logits, starts = tilted_logits(rng, trees, vocab, seed)
     verdicts = verify_batch(trees, logits, starts, [SamplingParams()] * len(trees), [0] * len(trees))
     for t, start, v in zip(trees, starts, verdicts):
         path, bonus = greedy_walk(t, logits[start: start + 1 + len(t)].argmax(-1).tolist())
         assert v.path == path and v.tokens == [t.tokens[u] for u in path] + [bonus]
     assert any(len(v.path) > 2 for v in verdicts), "some long accepted paths"
+
+
+def coupled_walk(tree: TokenTree, p: torch.Tensor, key: int, position: int) -> tuple[list[int], int]:
+    """The coupled rule spelled out: from the root, descend into the child whose token is the
+    coupled sample of the LLM's p there, keyed by the record position that row predicts."""
+    path, u = [], -1
+    while True:
+        x = coupled_sample(p[u + 1: u + 2], torch.tensor([key]), torch.tensor([position + len(path)]))[0].item()
+        child = next((c for c, q in enumerate(tree.parents) if q == u and tree.tokens[c] == x), None)
+        if child is None:
+            return path, x
+        path.append(child)
+        u = child
+
+
+def tilted_logits(rng: random.Random, trees: list[TokenTree], vocab: int, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """Random logits for the trees' rows (and their row starts), mostly favouring one child of each
+    node by a wide margin, so that accepted paths get long."""
+    starts, rows = [], 0
+    for t in trees:
+        starts.append(rows)
+        rows += 1 + len(t)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+    for t, start in zip(trees, starts):
+        for u in range(-1, len(t)):
+            kids = [c for c, p in enumerate(t.parents) if p == u]
+            if kids and rng.random() < 0.9:
+                logits[start + 1 + u, t.tokens[rng.choice(kids)]] += 10.0
+    return logits, starts
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_coupled_verification_equals_the_rule_walked_per_request(seed):
+    rng = random.Random(seed)
+    vocab = 5
+    trees = [merge([random_tree(rng, rng.choice([0, 1, 7, 30, 60]), vocab)]) for _ in range(16)]
+    logits, starts = tilted_logits(rng, trees, vocab, seed)
+    params = [SamplingParams(rng.choice([0.5, 1.0, 1.5]), top_p=rng.choice([1.0, 0.9]), seed=b) for b in range(16)]
+    positions = [rng.randrange(1000) for _ in trees]
+    verdicts = verify_batch(trees, logits, starts, params, positions)
+    for t, start, s, position, v in zip(trees, starts, params, positions, verdicts):
+        p = probabilities(logits[start: start + 1 + len(t)], s)
+        path, bonus = coupled_walk(t, p, stream_key(s.seed, "sample"), position)
+        assert v.path == path and v.tokens == [t.tokens[u] for u in path] + [bonus]
+    assert any(len(v.path) > 2 for v in verdicts), "some long accepted paths"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "coupled"])
+def test_verification_ops_do_not_grow_with_the_depth_of_the_trees(temperature):
+    """A chain of 24 nodes dispatches the ops a bush of 24 nodes two levels deep does."""
+    rng = random.Random(0)
+    chain = TokenTree(list(range(24)), list(range(-1, 23)))
+    bush = TokenTree(list(range(24)), [-1] * 4 + [u % 4 for u in range(20)])
+    counts = {}
+    for name, tree in (("chain", chain), ("bush", bush)):
+        trees = [tree] * 8
+        logits, starts = tilted_logits(rng, trees, 32, 0)
+        verify = lambda: verify_batch(trees, logits, starts, [SamplingParams(temperature, seed=1)] * 8, [100] * 8)
+        verify()  # the noise's per-token words are made once per vocabulary
+        counts[name] = ops.count(verify)
+    assert counts["chain"] == counts["bush"], counts
 
 
 @pytest.mark.parametrize("tree,message", [

@@ -230,9 +230,9 @@ def test_a_seed_gives_the_same_tokens_whatever_the_speculation_and_the_batch(mod
 
 def test_noise_keyed_by_batch_row_instead_of_position_breaks_the_seed(monkeypatch):
     """WRONG on purpose: the coupled sample's noise keyed by the row it has in the batch."""
-    real = acceptance.coupled_sample
-    monkeypatch.setattr(acceptance, "coupled_sample",
-                        lambda p, key, position: real(p, key, torch.arange(len(key), device=p.device)))
+    real = acceptance.coupled_noise
+    monkeypatch.setattr(acceptance, "coupled_noise",
+                        lambda key, position, vocab: real(key, torch.arange(len(key), device=key.device), vocab))
     out = seeded_tokens(MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM],
                         {k: SETTINGS[k] for k in ("off", "tree_2_2_1")})
     assert out["off", "alone"] != out["off", "crowd"]
