@@ -146,7 +146,8 @@ def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions
     parts = [tokens, parents, rows, chain]
     if keys is not None:  # every request's rows, and one noise row per request and depth it has
         place = np.cumsum(kept.ravel()).reshape(B, 1 + n) - 1
-        row_depths = np.concatenate([np.zeros((B, 1), dtype=np.int64), (chain > 0).sum(axis=2)], axis=1)
+        node_depths = (chain > 0).sum(axis=2) * (np.arange(n) < sizes[:, None])  # padding: 0
+        row_depths = np.concatenate([np.zeros((B, 1), dtype=np.int64), node_depths], axis=1)
         levels = row_depths.max(axis=1) + 1  # [B]
         first = np.cumsum(levels) - levels
         ahead = np.arange(levels.sum()) - np.repeat(first, levels)  # each noise row's depth

@@ -26,6 +26,7 @@ from specinfer.sampling import SamplingParams, stream_key
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree, merge
 from specinfer.verifier import Verifier, VerifyRequest
+from specinfer import acceptance
 from specinfer.acceptance import verify_batch
 from specinfer_bench import ops
 from specinfer_bench.kernel import random_tree
@@ -103,6 +104,20 @@ def test_batched_coupled_verification_equals_the_rule_walked_per_request(seed):
         path, bonus = coupled_walk(t, p, stream_key(s.seed, "sample"), position)
         assert v.path == path and v.tokens == [t.tokens[u] for u in path] + [bonus]
     assert any(len(v.path) > 2 for v in verdicts), "some long accepted paths"
+
+
+def test_coupled_verification_makes_one_noise_row_per_request_and_depth_of_its_own_tree(monkeypatch):
+    """The noise is the costly part of a sampled step: a request without a tree, beside one with a
+    deep tree, makes one row of it, not one per level of the batch's deepest tree."""
+    rows = []
+    real = acceptance.coupled_noise
+    monkeypatch.setattr(acceptance, "coupled_noise", lambda key, position, vocab: rows.append(len(key)) or real(key, position, vocab))
+    chain = TokenTree([3, 4, 5, 6], [-1, 0, 1, 2])  # depth 4
+    bush = TokenTree([3, 4, 5], [-1, -1, 0])  # depth 2
+    trees = [chain, TokenTree(), bush, TokenTree()]
+    logits, starts = tilted_logits(random.Random(0), trees, 8, 0)
+    verify_batch(trees, logits, starts, [SamplingParams(1.0, seed=b) for b in range(4)], [10, 20, 30, 40])
+    assert rows == [5 + 1 + 3 + 1]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "coupled"])
