@@ -100,7 +100,7 @@ class _Table:
     tokens: torch.Tensor  # [B, n] (padding: -1, never a token)
     parents: torch.Tensor  # [B, n] (padding: -1)
     rows: torch.Tensor  # [B, 1 + n] logits row of the root and of each node (padding: the root's)
-    chain: torch.Tensor  # [B, n, max(depth, 1)] each node's column, then its ancestors' (0: none left)
+    chain: torch.Tensor  # [B, n, levels] each node's column, then its ancestors' (0: none left)
     trees: list[TokenTree]
     depth: int  # the deepest node's depth
     coupled: "_Rows | None" = None  # with keys: what the coupled rule needs
@@ -128,7 +128,7 @@ def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions
             tokens[b, : len(t)] = t.tokens
             parents[b, : len(t)] = t.parents
     # each node's chain of ancestors, one column per level, as indices into the flat [B * n] nodes
-    request, chain, depth = np.arange(B)[:, None], np.zeros((B, n, 1), dtype=np.int64), 0
+    request, chain = np.arange(B)[:, None], np.zeros((B, n, 1), dtype=np.int64)
     if n:
         offset = request * n
         up = np.append(np.where(parents >= 0, parents + offset, -1), -1)  # [B * n + 1]: index -1 stays -1
@@ -136,17 +136,17 @@ def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions
         while cur.max() >= 0:
             cols.append(cur)
             cur = up[cur]
-        depth = len(cols)
-        up_chain = np.stack(cols, axis=1).reshape(B, n, depth)
+        up_chain = np.stack(cols, axis=1).reshape(B, n, len(cols))
         chain = np.where(up_chain >= 0, up_chain - offset[:, :, None] + 1, 0)  # columns of `_match`'s table
     sizes = np.array([len(t) for t in trees], dtype=np.int64)
+    node_depths = (chain > 0).sum(axis=2) * (np.arange(n) < sizes[:, None])  # padding: 0
+    depth = int(node_depths.max(initial=0))
     column = np.arange(1 + n)
     kept = column <= sizes[:, None]  # [B, 1 + n]: the root and the tree's nodes
     rows = np.asarray(row_starts, dtype=np.int64)[:, None] + np.where(kept, column, 0)
     parts = [tokens, parents, rows, chain]
     if keys is not None:  # every request's rows, and one noise row per request and depth it has
         place = np.cumsum(kept.ravel()).reshape(B, 1 + n) - 1
-        node_depths = (chain > 0).sum(axis=2) * (np.arange(n) < sizes[:, None])  # padding: 0
         row_depths = np.concatenate([np.zeros((B, 1), dtype=np.int64), node_depths], axis=1)
         levels = row_depths.max(axis=1) + 1  # [B]
         first = np.cumsum(levels) - levels
