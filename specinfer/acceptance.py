@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .draws import coupled_noise, probabilities, sample, uniform
+from .draws import coupled_noise, mix, probabilities, sample, uniform
 from .sampling import SamplingParams, stream_key
 from .tree import TokenTree, depths
 
@@ -114,8 +114,8 @@ class _Rows:
     at: torch.Tensor  # [B, 1 + n] each table column's place among them (padding: its root's)
     level: torch.Tensor  # [M] each one's noise row: its request's, at its depth (the root's: 0)
     owner: list[int]  # [M] the request of each
-    key: torch.Tensor  # [L] the noise rows' keys: each request's sampling key, once per depth of its tree
-    predicted: torch.Tensor  # [L] the record position that depth's rows predict
+    word: torch.Tensor  # [L] the noise rows' words: each request's sampling key, once per depth of its tree,
+    # with the record position that depth's rows predict (draws.mix, made on the host)
 
 
 def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions: list[int],
@@ -152,14 +152,15 @@ def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions
         first = np.cumsum(levels) - levels
         ahead = np.arange(levels.sum()) - np.repeat(first, levels)  # each noise row's depth
         parts += [rows[kept], np.where(kept, place, place[:, :1]), (first[:, None] + row_depths)[kept],
-                  np.repeat(np.array(keys, dtype=np.int64), levels), np.repeat(np.array(positions, dtype=np.int64), levels) + ahead]
+                  mix(np.repeat(np.array(keys, dtype=np.int64), levels),
+                      np.repeat(np.array(positions, dtype=np.int64), levels) + ahead).astype(np.int64)]
     flat = torch.from_numpy(np.concatenate([p.ravel() for p in parts])).to(dev, non_blocking=True)
     ends = list(itertools.accumulate(p.size for p in parts))
     sent = [flat[a:b].view(p.shape) for a, b, p in zip([0, *ends], ends, parts)]
     coupled = None
     if keys is not None:
-        real, at, level, key, predicted = sent[4:]
-        coupled = _Rows(real, at, level, np.repeat(np.arange(B), sizes + 1).tolist(), key, predicted)
+        real, at, level, word = sent[4:]
+        coupled = _Rows(real, at, level, np.repeat(np.arange(B), sizes + 1).tolist(), word)
     return _Table(*sent[:4], trees, depth, coupled)
 
 
@@ -189,7 +190,7 @@ def _coupled(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams], po
     one noise row, made once (a request without a tree: one)."""
     r = t.coupled
     p = probabilities(logits[r.real], [sampling[b] for b in r.owner])  # [M, V]
-    noise = coupled_noise(r.key, r.predicted, logits.shape[1])  # [L, V]
+    noise = coupled_noise(r.word, logits.shape[1])  # [L, V]
     return _match(t, (p / noise[r.level]).argmax(dim=-1)[r.at])
 
 

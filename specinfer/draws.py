@@ -27,6 +27,7 @@ import functools
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .sampling import SamplingParams
@@ -79,15 +80,17 @@ _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    """int64 values -> int32 with the same low 32 bits (two's complement)."""
-    return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+def _int32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """int64 values -> int32 with the same low 32 bits (two's complement), on a tensor or on the host."""
+    x = ((x & _M32) ^ 0x80000000) - 0x80000000
+    return x.to(torch.int32) if torch.is_tensor(x) else x.astype(np.int32)
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
+def _fmix32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """MurmurHash3's 32-bit finalizer, a bijection of the 32-bit words that mixes every bit into
-    every bit, on int32 tensors: multiplication wraps modulo 2**32 and right shifts are masked to
-    be logical, so the bits equal the unsigned definition on every device (a test checks them)."""
+    every bit, on int32 tensors or numpy arrays: multiplication wraps modulo 2**32 and right shifts
+    are masked to be logical, so the bits equal the unsigned definition on every device and on the
+    host (a test checks them)."""
     x = x ^ ((x >> 16) & 0xFFFF)
     x = x * -0x7A143595  # 0x85EBCA6B as int32
     x = x ^ ((x >> 13) & 0x7FFFF)
@@ -95,35 +98,40 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def _mix(key: torch.Tensor, *counters: torch.Tensor | int) -> torch.Tensor:
-    """32 random bits (int32) per element of the broadcast of `key` and the counters."""
+def mix(key: torch.Tensor | np.ndarray, *counters: torch.Tensor | np.ndarray | int) -> torch.Tensor | np.ndarray:
+    """32 random bits (int32) per element of the broadcast of `key` and the counters (int64): on
+    the device, or the same bits on the host with numpy arrays.
+
+    The counters fold in one at a time, mix(mix(key, a), b) == mix(key, a, b), so counters the host
+    knows can be folded into the key there, and the device hashes only the rest."""
     h = _int32(key)
     for c in counters:
-        if isinstance(c, int):  # made on the device: no host-to-device copy
-            c = torch.full((), c, dtype=torch.long, device=key.device)
+        if isinstance(c, int):  # made where the key is: no host-to-device copy
+            c = torch.full((), c, dtype=torch.long, device=key.device) if torch.is_tensor(key) else np.full(1, c)
         h = _fmix32(h ^ _fmix32(_int32(c + _GOLDEN)))
     return h
 
 
 def uniform(key: torch.Tensor, *counters: torch.Tensor | int) -> torch.Tensor:
     """Uniform numbers in (0, 1), float64, one per element of the broadcast of `key` (int64, from
-    `stream_key`) and the counters (non-negative ints below 2**32)."""
-    return ((_mix(key, *counters).long() & _M32).double() + 0.5) * 2.0**-32
+    `stream_key`, or `mix` of one and leading counters) and the counters (non-negative ints below 2**32)."""
+    return ((mix(key, *counters).long() & _M32).double() + 0.5) * 2.0**-32
 
 
 @functools.cache
 def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
-    """_fmix32 of each token id's counter word, the part of `_mix(key, token)` that depends only on
+    """_fmix32 of each token id's counter word, the part of `mix(key, token)` that depends only on
     the token, computed once per vocabulary and device."""
     return _fmix32(_int32(torch.arange(vocab, device=device) + _GOLDEN))
 
 
-def coupled_noise(key: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """E_v = -log u [..., V] (float32), u the uniform number of (key, position, v), for each element
-    of the broadcast of key and position (int64): the noise `coupled_sample` races p against.
+def coupled_noise(word: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E_v = -log u [..., V] (float32), u the uniform number of (key, position, v), for each word
+    `mix(key, position)` (any integer dtype holding the int32 value; the verifier makes them on the
+    host with the rest of its table): the noise `coupled_sample` races p against.
 
     u keeps 23 bits, (2m + 1) / 2**24, so that it and -log u are exact in float32 at both ends."""
-    bits = _fmix32(_mix(key, position)[..., None] ^ _token_words(vocab, key.device))
+    bits = _fmix32(word.int()[..., None] ^ _token_words(vocab, word.device))
     u = ((bits >> 8) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23)  # (2m + 1) / 2**24, exactly
     return u.log_().neg_()
 
@@ -132,7 +140,7 @@ def coupled_sample(p: torch.Tensor, key: torch.Tensor, position: torch.Tensor) -
     """One token per row of p [R, V] (non-negative, any positive total): argmax_v p[v] / E_v with
     E = coupled_noise(key [R], position [R]), i.e. a sample with probability p[v] / sum(p) made of
     noise that only the key, the position and the token decide."""
-    return (p.float() / coupled_noise(key, position, p.shape[-1])).argmax(dim=-1)
+    return (p.float() / coupled_noise(mix(key, position), p.shape[-1])).argmax(dim=-1)
 
 
 def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -46,13 +46,14 @@ import itertools
 import struct
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .errors import check_token_ids
 from .model import LlamaModel, StepInput
-from .draws import probabilities, sparsify, uniform
+from .draws import mix, probabilities, sparsify, uniform
 from .sampling import SamplingParams, stream_key
 from .tree import DraftGroup, TokenTree, merge
 
@@ -216,11 +217,12 @@ class Speculator:
         s = to(sampled)
         q_ids, q_probs = sparsify(probabilities(logits[s], [batch[rows[i].request].sampling for i in sampled]),
                                   self.q_top)  # [S, K]
-        key = to([keys[rows[i].request] for i in sampled])[:, None]
-        index = to([rows[i].index for i in sampled])[:, None]
+        # (key, depth, row index) folded on the host: the device hashes only the draw counters
+        key = to(mix(np.array([keys[rows[i].request] for i in sampled]), depth,
+                     np.array([rows[i].index for i in sampled])).tolist())[:, None]
         n = q_probs.shape[1]
         q = q_probs.double()
-        u = uniform(key, depth, index, torch.arange(n + kmax, device=dev))  # [S, n + kmax]
+        u = uniform(key, torch.arange(n + kmax, device=dev))  # [S, n + kmax]
         # without replacement: the top kmax of log q + Gumbel noise, in order (Plackett-Luce)
         ordered = (q.log() - torch.log(-torch.log(u[:, :n]))).topk(min(kmax, n), dim=-1).indices
         if n < kmax:

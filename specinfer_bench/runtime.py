@@ -279,7 +279,7 @@ def markdown(result: dict) -> str:
                                       f"{v['hidden']}, graphs hold {v['graph_bytes'] / 2**20:.0f} MiB"
                                       for k, v in meta["models"].items())]
     if result["skipped"]:
-        out += ["", "Skipped: " + "; ".join(f"{s['model']} batch {s['batch']} tree {s['tree']}"
+        out += ["", "Skipped: " + "; ".join(f"{s['model']} batch {s['batch']} tree {s['tree']} T {s['temperature']:g}"
                                             for s in result["skipped"]) + f" ({result['skipped'][0]['reason']})."]
     return "\n".join(out) + "\n"
 

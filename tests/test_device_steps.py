@@ -111,7 +111,7 @@ def test_coupled_verification_makes_one_noise_row_per_request_and_depth_of_its_o
     deep tree, makes one row of it, not one per level of the batch's deepest tree."""
     rows = []
     real = acceptance.coupled_noise
-    monkeypatch.setattr(acceptance, "coupled_noise", lambda key, position, vocab: rows.append(len(key)) or real(key, position, vocab))
+    monkeypatch.setattr(acceptance, "coupled_noise", lambda word, vocab: rows.append(len(word)) or real(word, vocab))
     chain = TokenTree([3, 4, 5, 6], [-1, 0, 1, 2])  # depth 4
     bush = TokenTree([3, 4, 5], [-1, -1, 0])  # depth 2
     trees = [chain, TokenTree(), bush, TokenTree()]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from scipy.stats import chisquare, kstest
 
-from specinfer.draws import _fmix32, _int32, coupled_sample, uniform
+from specinfer.draws import _fmix32, _int32, coupled_sample, mix, uniform
 from specinfer.sampling import stream_key
 
 M32 = 0xFFFFFFFF
@@ -27,8 +28,26 @@ def test_the_int32_hash_is_the_unsigned_definition_bit_for_bit():
     rng = random.Random(0)
     # word boundaries, and enough values for the vectorized loop plus a scalar tail
     xs = [0, 1, 0x7FFFFFFF, 0x80000000, M32, 0x9E3779B9] + [rng.randrange(1 << 32) for _ in range(1029)]
-    got = (_fmix32(_int32(torch.tensor(xs))).long() & M32).tolist()
-    assert got == [fmix32_reference(x) for x in xs]
+    want = [fmix32_reference(x) for x in xs]
+    assert (_fmix32(_int32(torch.tensor(xs))).long() & M32).tolist() == want
+    assert (_fmix32(_int32(np.array(xs))).astype(np.int64) & M32).tolist() == want, "on the host (numpy)"
+
+
+def test_the_words_mixed_on_the_host_are_the_devices_bit_for_bit():
+    rng = random.Random(1)
+    keys = [0, M32, stream_key(5, "sample")] + [rng.randrange(1 << 32) for _ in range(500)]
+    positions = [0, 1 << 31, 7] + [rng.randrange(1 << 20) for _ in range(500)]
+    host = mix(np.array(keys), np.array(positions))
+    assert host.dtype == np.int32
+    assert host.tolist() == mix(torch.tensor(keys), torch.tensor(positions)).tolist()
+
+
+def test_counters_folded_into_the_key_on_the_host_give_the_same_uniforms():
+    keys = np.array([stream_key(s, "draft") for s in range(6)])[:, None]
+    index = np.arange(6)[:, None]
+    folded = torch.from_numpy(mix(keys, 3, index).astype(np.int64))  # what the host sends
+    counters = torch.arange(40)
+    assert torch.equal(uniform(folded, counters), uniform(torch.from_numpy(keys), 3, torch.from_numpy(index), counters))
 
 
 def test_uniforms_are_uniform_and_depend_only_on_key_and_counters():

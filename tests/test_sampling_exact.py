@@ -24,6 +24,7 @@ import itertools
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -230,9 +231,8 @@ def test_a_seed_gives_the_same_tokens_whatever_the_speculation_and_the_batch(mod
 
 def test_noise_keyed_by_batch_row_instead_of_position_breaks_the_seed(monkeypatch):
     """WRONG on purpose: the coupled sample's noise keyed by the row it has in the batch."""
-    real = acceptance.coupled_noise
-    monkeypatch.setattr(acceptance, "coupled_noise",
-                        lambda key, position, vocab: real(key, torch.arange(len(key), device=key.device), vocab))
+    real = acceptance.mix
+    monkeypatch.setattr(acceptance, "mix", lambda key, position: real(key, np.arange(len(key))))
     out = seeded_tokens(MarkovModel(P_LLM), [MarkovModel(P) for P in P_SSM],
                         {k: SETTINGS[k] for k in ("off", "tree_2_2_1")})
     assert out["off", "alone"] != out["off", "crowd"]
