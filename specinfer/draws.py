@@ -81,9 +81,11 @@ _GOLDEN = 0x9E3779B9
 
 
 def _int32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """int64 values -> int32 with the same low 32 bits (two's complement), on a tensor or on the host."""
-    x = ((x & _M32) ^ 0x80000000) - 0x80000000
-    return x.to(torch.int32) if torch.is_tensor(x) else x.astype(np.int32)
+    """Integer values -> int32 with the same low 32 bits (two's complement), on a tensor or on the host."""
+    if torch.is_tensor(x):
+        return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+    x = np.asarray(x, dtype=np.int64)  # an int32 array too (a word folded on the host): 2**32 - 1 fits
+    return (((x & _M32) ^ 0x80000000) - 0x80000000).astype(np.int32)
 
 
 def _fmix32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:

@@ -45,6 +45,7 @@ def test_the_words_mixed_on_the_host_are_the_devices_bit_for_bit():
 def test_counters_folded_into_the_key_on_the_host_give_the_same_uniforms():
     keys = np.array([stream_key(s, "draft") for s in range(6)])[:, None]
     index = np.arange(6)[:, None]
+    assert np.array_equal(mix(mix(keys, 3), index), mix(keys, 3, index)), "folds on the host"
     folded = torch.from_numpy(mix(keys, 3, index).astype(np.int64))  # what the host sends
     counters = torch.arange(40)
     assert torch.equal(uniform(folded, counters), uniform(torch.from_numpy(keys), 3, torch.from_numpy(index), counters))

@@ -159,6 +159,7 @@ def test_a_clean_stop_logs_no_traceback(tmp_path, heldout_ids):
 
 
 CONTEXT = json.loads((MODELS / "llm" / "config.json").read_text())["max_position_embeddings"]
+SIXTY_FOUR = generation_pb2.StoppingCriteria(max_new_tokens=64)
 EDGE_REQUESTS = {  # name: (GenerateRequest fields, the field an INVALID_ARGUMENT names, or None: a result)
     "prompt at the context limit": (dict(prompt_token_ids=[11] * (CONTEXT - 1),
                                          stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
@@ -169,9 +170,11 @@ EDGE_REQUESTS = {  # name: (GenerateRequest fields, the field an INVALID_ARGUMEN
     "max_new_tokens unset, prompt filling the context": (dict(prompt_token_ids=[11] * CONTEXT), "prompt"),
     "max_new_tokens 1": (dict(stopping=generation_pb2.StoppingCriteria(max_new_tokens=1)), None),
     "empty prompt": (dict(prompt_token_ids=[]), "prompt"),
-    "temperature 1e-6": (dict(sampling=common_pb2.SamplingParams(temperature=1e-6, seed=1)), None),
-    "temperature 100": (dict(sampling=common_pb2.SamplingParams(temperature=100.0, seed=1)), None),
-    "top_p 1e-9": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1e-9, seed=1)), None),
+    # the sampling edges, over 64 tokens (the length's edges are above)
+    "temperature 1e-6": (dict(sampling=common_pb2.SamplingParams(temperature=1e-6, seed=1), stopping=SIXTY_FOUR), None),
+    "temperature 100": (dict(sampling=common_pb2.SamplingParams(temperature=100.0, seed=1), stopping=SIXTY_FOUR), None),
+    "top_p 1e-9": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1e-9, seed=1), stopping=SIXTY_FOUR),
+                   None),
 }
 
 
@@ -196,7 +199,7 @@ def test_edge_requests_get_a_result_or_invalid_argument_naming_the_field(system,
     want = request.stopping.max_new_tokens or CONTEXT - len(request.prompt_token_ids)
     assert len(tokens) == want or messages[-1].finish_reason != generation_pb2.FINISH_REASON_LENGTH
     if request.sampling.temperature == 1e-6:  # a near-zero temperature samples the argmax
-        assert tokens == reference_greedy([list(request.prompt_token_ids)], want)[0][:len(tokens)]
+        assert tokens == reference_greedy([list(request.prompt_token_ids)], len(tokens))[0]
 
 
 BAD_REQUESTS = {
