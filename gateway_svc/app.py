@@ -233,7 +233,7 @@ class Gateway:
                 request = generation_pb2.GenerateRequest(
                     prompt_token_ids=prompt,
                     sampling=common_pb2.SamplingParams(temperature=body.temperature, top_k=body.top_k,
-                                                       top_p=body.top_p, seed=seed,
+                                                       top_p=body.top_p, min_p=body.min_p, seed=seed,
                                                        presence_penalty=body.presence_penalty,
                                                        frequency_penalty=body.frequency_penalty,
                                                        repetition_penalty=body.repetition_penalty,

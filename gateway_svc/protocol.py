@@ -16,7 +16,7 @@ them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under 
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
 `best_of`, `suffix`, tools. They are accepted at their neutral values (`best_of: 1`), which some
 clients always send.
-Extensions: `top_k`, `ignore_eos`, `priority` (vLLM's: lower values are scheduled first, default 0),
+Extensions: `top_k`, `min_p` (vLLM's, after `top_p`), `ignore_eos`, `priority` (vLLM's: lower values are scheduled first, default 0),
 `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1]; unset: the server's default) and
 `return_draft_trees` (each streamed step carries its draft tree).
 Chat without `max_tokens` generates to the end of the reply (EOS, a stop) or of the context, as
@@ -120,6 +120,7 @@ class _Generation(BaseModel):
     user: str | None = None  # caller metadata, not used
     # extensions
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's
     ignore_eos: bool = False
     priority: int = 0
     speculation: str | list[int] | None = None

@@ -2,7 +2,7 @@
 token is drawn from, and the random numbers the draws use (the settings and the keys: sampling.py).
 
 The same `probabilities` function serves the LLM (p, in verification) and the SSMs (q, in
-drafting), so temperature, top-k and top-p mean exactly the same thing on both sides. It takes
+drafting), so temperature, top-k, top-p and min-p mean exactly the same thing on both sides. It takes
 one setting per row, so a whole batch of requests with different settings is one call.
 
 Randomness is counter-based: `sampling.stream_key(seed, purpose, ...)` hashes a request's seed with what
@@ -34,8 +34,8 @@ from .sampling import SamplingParams
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]) -> torch.Tensor:
-    """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k, then top-p, with
-    one setting for every row or one per row.
+    """logits [N, V] -> probabilities [N, V] (float32) after temperature, top-k, top-p, then min-p
+    (transformers' order), with one setting for every row or one per row.
 
     Not for greedy settings: greedy decoding takes the argmax of the raw logits.
     """
@@ -62,6 +62,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[Sampli
         cut = probs.masked_fill(drop, 0.0)
         # rows without top-p stay as they were, so a row does not depend on the others' settings
         probs = torch.where(top_p[:, None] < 1.0, cut / cut.sum(dim=-1, keepdim=True), probs)
+    if any(p.min_p > 0.0 for p in rows):
+        # a token stays if it is at least min_p times as likely as the most likely one (which stays)
+        min_p = torch.tensor([p.min_p for p in rows], dtype=torch.float32).to(dev, non_blocking=True)
+        cut = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = torch.where(min_p[:, None] > 0.0, cut / cut.sum(dim=-1, keepdim=True), probs)
     return probs
 
 
@@ -140,8 +145,8 @@ def coupled_noise(word: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def coupled_sample(p: torch.Tensor, key: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """One token per row of p [R, V] (non-negative, any positive total): argmax_v p[v] / E_v with
-    E = coupled_noise(key [R], position [R]), i.e. a sample with probability p[v] / sum(p) made of
-    noise that only the key, the position and the token decide."""
+    E = coupled_noise(mix(key [R], position [R]), V), i.e. a sample with probability p[v] / sum(p)
+    made of noise that only the key, the position and the token decide."""
     return (p.float() / coupled_noise(mix(key, position), p.shape[-1])).argmax(dim=-1)
 
 

@@ -1,5 +1,5 @@
 """Log-probabilities of tokens under the LLM's own distribution: the log-softmax of its logits at the
-token's position, before temperature, top-k and top-p (what a caller asks when scoring text, and what
+token's position, before temperature, top-k, top-p and min-p (what a caller asks when scoring text, and what
 OpenAI's API and vLLM return by default).
 
 They are read from the verifier's logits of the rows a step keeps: the root's row (the distribution

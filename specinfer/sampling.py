@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,10 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy (argmax)
     top_k: int = 0  # 0 means no top-k truncation
     top_p: float = 1.0  # 1 means no nucleus truncation
+    _: KW_ONLY
+    # after top-p, drop the tokens less likely than min_p times the most likely one (vLLM's and
+    # transformers' min-p); 0 means none
+    min_p: float = 0.0
     seed: int = 0
     # sampled requests: False (default) drafts the SSMs' top-k and verifies by matching them against
     # the coupled sample (the same tokens whatever the speculation); True draws the drafts from the
@@ -59,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
         if not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed: must be in [0, 2**64), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -79,6 +79,8 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (after top-p; 0: none)")
     p.add_argument("--seed", type=int, default=0,
                    help="the same seed gives the same sampled tokens whatever the speculation (unless --mss)")
     p.add_argument("--mss", action="store_true",
@@ -151,7 +153,7 @@ def cmd_generate(args) -> int:
 
 def generate_once(args, records: list[dict], mode: str):
     """(generations, texts, seconds) of one run of every prompt record."""
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed, args.mss)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, min_p=args.min_p, seed=args.seed, mss=args.mss)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 

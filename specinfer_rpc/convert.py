@@ -14,14 +14,16 @@ from .v1 import common_pb2, generation_pb2, verifier_pb2
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, pb.seed, pb.mss,
-                          pb.presence_penalty, pb.frequency_penalty,
-                          pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
-                          tuple(sorted(pb.logit_bias.items())), pb.min_tokens)
+    return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, min_p=pb.min_p,
+                          seed=pb.seed, mss=pb.mss, presence_penalty=pb.presence_penalty,
+                          frequency_penalty=pb.frequency_penalty,
+                          repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+                          logit_bias=tuple(sorted(pb.logit_bias.items())), min_tokens=pb.min_tokens)
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, mss=s.mss,
+    return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                     seed=s.seed, mss=s.mss,
                                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                      repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias),
                                      min_tokens=s.min_tokens)

@@ -134,6 +134,18 @@ def test_a_seed_gives_plain_seeded_samplings_text_whatever_the_speculation_and_n
     assert len(unseeded) > 1, "no seed: a fresh seed per request"
 
 
+def test_min_p_gives_plain_seeded_sampling_with_min_p_whatever_the_speculation(gw, tokenizer, heldout_prompts):
+    c = client(gw["url"])
+    ids = tokenizer(heldout_prompts[2]["prompt"])["input_ids"]
+    sampling = SamplingParams(1.5, min_p=0.2, seed=3)
+    want = seeded_reference(Request(ids, 24, sampling, ignore_eos=True))
+    for speculation in ("off", "2,2,1"):
+        chunks = c.completions.create(model="llm", prompt=ids, max_tokens=24, temperature=1.5, seed=3, stream=True,
+                                      extra_body={"min_p": 0.2, "ignore_eos": True, "speculation": speculation})
+        assert [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == want, speculation
+    assert want != seeded_reference(Request(ids, 24, replace(sampling, min_p=0.0), ignore_eos=True))
+
+
 def test_penalties_bias_and_min_tokens_give_the_engines_output_whatever_the_speculation(gw, tokenizer,
                                                                                        heldout_prompts):
     """Greedy and seeded, through the gateway: the in-process LLM alone with the same parameters."""
@@ -225,7 +237,7 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"logit_bias": {"the": 1}}, "logit_bias"),
     ({"logit_bias": {"1000000": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-    ({"extra_body": {"speculation": "9,9"}}, "speculation"),
+    ({"extra_body": {"speculation": "9,9"}}, "speculation"), ({"extra_body": {"min_p": 1.5}}, "min_p"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
     ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):

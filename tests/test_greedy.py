@@ -231,6 +231,8 @@ def test_never_more_tokens_than_asked_even_mid_path(oracle, max_new_tokens):
     ("top_p", Request([1], 4, SamplingParams(temperature=1, top_p=0))),
     ("top_p", Request([1], 4, SamplingParams(temperature=1, top_p=1.5))),
     ("top_k", Request([1], 4, SamplingParams(temperature=1, top_k=-1))),
+    ("min_p", Request([1], 4, SamplingParams(temperature=1, min_p=1.5))),
+    ("min_p", Request([1], 4, SamplingParams(temperature=1, min_p=float("nan")))),
 ])
 def test_bad_requests_are_refused_naming_the_field(field, request_):
     with pytest.raises(ValueError, match=f"^{field}:"):

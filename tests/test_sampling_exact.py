@@ -116,6 +116,30 @@ def run(llm, ssms, mode, expansion, params, n, replacement=False, prompt=(0,), n
     return engine.generate(reqs)
 
 
+def test_the_transforms_are_transformers_warpers_row_by_row():
+    """Temperature, top-k, top-p and min-p, each row with its own settings in one batch: each row's
+    distribution is that of transformers' warpers with the row's settings, in generate's order."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    grid = list(itertools.product((0.7, 1.5), (0, 5), (1.0, 0.8), (0.0, 0.2))) * 3
+    settings = [SamplingParams(t, k, p, min_p=m) for t, k, p, m in grid]
+    base = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 1.5
+    logits = base.repeat_interleave(16, dim=0)  # each of 3 rows under each of the 16 settings
+    ours = probabilities(logits, settings)
+    for row, (t, k, p, m) in enumerate(grid):
+        scores = TemperatureLogitsWarper(t)(None, logits[row: row + 1])
+        if k:
+            scores = TopKLogitsWarper(k)(None, scores)
+        if p < 1:
+            scores = TopPLogitsWarper(p)(None, scores)
+        if m:
+            scores = MinPLogitsWarper(m)(None, scores)
+        torch.testing.assert_close(ours[row: row + 1], scores.softmax(-1), rtol=0, atol=1e-6)
+    kept = (ours > 0).sum(-1).view(3, 2, 2, 2, 2)  # [logits, temperature, top-k, top-p, min-p]
+    assert (kept[..., 1] <= kept[..., 0]).all() and (kept[:, :, 0, 0, 1] < kept[:, :, 0, 0, 0]).all()
+
+
 V = 4
 P_LLM = random_chain(0, V, 1.5)
 P_SSM = [random_chain(1, V, 1.5), random_chain(2, V, 1.5)]
@@ -131,6 +155,7 @@ VARIANTS = {
     "merged_with_replacement": (Mode.MERGED, 2, [2, 1, 2], True, T08, False),
     "sequence": (Mode.SEQUENCE, 1, [1, 1, 1], False, T08, False),
     "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], False, SamplingParams(temperature=1.3, top_k=3, top_p=0.8), False),
+    "min_p": (Mode.TREE, 1, [2, 2, 2], False, SamplingParams(temperature=1.3, min_p=0.3), False),
     "tree_and_context_lookup": (Mode.TREE, 1, [2, 1, 2], False, T08, True),
     "merged_with_replacement_and_context_lookup": (Mode.MERGED, 2, [1, 2, 1], True, T08, True),
 }
@@ -167,6 +192,7 @@ COUPLED = {  # name: (mode, number of SSMs, expansion, sampling, context lookup)
     "tree": (Mode.TREE, 1, [3, 2, 2], T08, False),
     "merged_two_ssms": (Mode.MERGED, 2, [2, 2, 2], T08, False),
     "top_k_top_p": (Mode.MERGED, 2, [2, 2, 2], SamplingParams(temperature=1.3, top_k=3, top_p=0.8), False),
+    "min_p": (Mode.TREE, 1, [2, 2, 2], SamplingParams(temperature=1.3, min_p=0.3), False),
     "tree_and_context_lookup": (Mode.TREE, 1, [2, 1, 2], T08, True),
 }
 

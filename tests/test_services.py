@@ -94,7 +94,7 @@ def test_a_seed_gives_plain_seeded_samplings_tokens_whatever_the_speculation_and
         alone = generate_all(system.manager.address, [req], speculation)[0].token_ids
         together = generate_all(system.manager.address, crowd[:8] + [req] + crowd[8:], speculation)[8].token_ids
         assert len(plain) == 40 and alone == plain and together == plain, speculation
-    other_seed = generate_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, 12),
+    other_seed = generate_all(system.manager.address, [Request(heldout_ids[3], 40, SamplingParams(0.8, 0, 0.95, seed=12),
                                                           ignore_eos=True)])[0].token_ids
     assert other_seed != plain
 
@@ -214,6 +214,7 @@ BAD_REQUESTS = {
     "top_p": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0)),
     "top_p ": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)),
     "top_k": dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_k=-1)),
+    "min_p": dict(sampling=common_pb2.SamplingParams(temperature=1.0, min_p=-0.1)),
     "speculation.expansion": dict(speculation=generation_pb2.Speculation(
         mode=generation_pb2.SPECULATION_MODE_FIXED, expansion=[2, 0])),
     "speculation.expansion ": dict(speculation=generation_pb2.Speculation(mode=generation_pb2.SPECULATION_MODE_FIXED)),
