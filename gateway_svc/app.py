@@ -223,7 +223,7 @@ class Gateway:
             raise ApiError.bad("prompt" if len(prompts) > 1 else "n",
                                f"at most {self.max_choices} choices (prompts x n) per request (the gateway's "
                                f"--max-choices), got {len(prompts)} x {body.n}")
-        stops, stop_ids, grammar, bias = body.stop_strings(), body.stop_token_ids(), body.grammar(), body.bias()
+        stops, stop_ids, grammar, bias = body.stop_strings(), body.stop_ids(), body.grammar(), body.bias()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
         texts = body.prompts() if body.echo else [None] * len(prompts)
@@ -247,7 +247,7 @@ class Gateway:
                     response_format=generation_pb2.ResponseFormat(**{grammar[0]: grammar[1]}) if grammar else None)
                 echo = (text if isinstance(text, str) else self.decode(prompt)) if body.echo else None
                 choices.append(Choice(p * body.n + j, self.stub.Generate(request, timeout=self.timeout, metadata=metadata),
-                                      Tally(len(prompt), TextStream(self.decode, stops), set(stop_ids), silent),
+                                      Tally(len(prompt), TextStream(self.decode, stops, body.include_stop_str_in_output), set(stop_ids), silent),
                                       prompt, echo))
         start = time.perf_counter()
         try:

@@ -12,7 +12,8 @@ whether `strict` or not), and as extensions `{"type": "regex", "regex": ...}` an
 naming `response_format`.
 `presence_penalty`, `frequency_penalty` and `logit_bias` (token ids as strings) as OpenAI defines
 them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under speculation
-(specinfer/penalties.py).
+(specinfer/penalties.py). `stop` takes token ids (ints) beside strings; vLLM's `stop_token_ids` and
+`include_stop_str_in_output` are taken too.
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
 `best_of`, `suffix`, tools. They are accepted at their neutral values (`best_of: 1`), which some
 clients always send.
@@ -132,6 +133,8 @@ class _Generation(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
     min_tokens: int = Field(0, ge=0)  # vLLM's
+    stop_token_ids: list[int] | None = None  # vLLM's: as token ids in stop
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
 
     def bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (the manager checks them against the vocabulary)."""
@@ -176,8 +179,10 @@ class _Generation(BaseModel):
             raise ApiError.bad("stop", "stop strings must not be empty")
         return stops
 
-    def stop_token_ids(self) -> list[int]:
-        return [] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, int)]
+    def stop_ids(self) -> list[int]:
+        """The stop token ids, from stop and vLLM's stop_token_ids."""
+        ids = [] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, int)]
+        return list(dict.fromkeys(ids + (self.stop_token_ids or [])))
 
     def expansion(self) -> str | None:
         """The speculation setting as `specinfer_rpc.client.speculation_pb` takes it: None (the

@@ -3,6 +3,7 @@ speculators, managers, gateways) on the shipped models."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 import os
@@ -168,15 +169,16 @@ def test_penalties_bias_and_min_tokens_give_the_engines_output_whatever_the_spec
 
 
 def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer, heldout_prompts):
+    """... or after a stop string with vLLM's include_stop_str_in_output; vLLM's stop_token_ids are ids in stop."""
     c = client(gw["url"])
     prompt = heldout_prompts[0]["prompt"]
     want, want_ids = reference_text(tokenizer, tokenizer(prompt)["input_ids"], 48, ignore_eos=True)
     stop = next(want[i:i + 2] for i in range(4, len(want) - 2) if want[i:i + 2].strip())  # a string that occurs
-    for stream in (False, True):
+    for stream, include in itertools.product((False, True), (False, True)):
         got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, stop=[stop],
-                                   stream=stream, extra_body={"ignore_eos": True})
+                                   stream=stream, extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
         text = "".join(ch.choices[0].text for ch in got) if stream else got.choices[0].text
-        assert text == want[:want.index(stop)]
+        assert text == want[:want.index(stop) + include * len(stop)], (stream, include)
     # a stop string that spans two tokens: the last character of one and the first of the next
     bounds = [len(tokenizer.decode(want_ids[:k + 1], skip_special_tokens=True)) for k in range(len(want_ids) - 1)]
     spanning = next(want[b - 1:b + 1] for b in bounds[3:] if want[b - 1:b + 1].strip() == want[b - 1:b + 1]
@@ -185,10 +187,11 @@ def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer,
                                extra_body={"ignore_eos": True})
     assert got.choices[0].text == want[:want.index(spanning)] and got.choices[0].finish_reason == "stop"
     token = want_ids[5]
-    got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, extra_body={
-        "ignore_eos": True, "stop": [token]})
-    assert got.choices[0].finish_reason == "stop"
-    assert got.choices[0].text == tokenizer.decode(want_ids[:want_ids.index(token)], skip_special_tokens=True)
+    for ids in ({"stop": [token]}, {"stop_token_ids": [token]}):
+        got = c.completions.create(model="llm", prompt=prompt, max_tokens=48, temperature=0, extra_body={
+            "ignore_eos": True, **ids})
+        assert got.choices[0].finish_reason == "stop"
+        assert got.choices[0].text == tokenizer.decode(want_ids[:want_ids.index(token)], skip_special_tokens=True)
 
 
 def test_chat_uses_the_checkpoints_template_and_a_model_without_one_gets_400(gw, tokenizer):
