@@ -13,7 +13,7 @@ naming `response_format`.
 `presence_penalty`, `frequency_penalty` and `logit_bias` (token ids as strings) as OpenAI defines
 them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under speculation
 (specinfer/penalties.py). `stop` takes token ids (ints) beside strings; vLLM's `stop_token_ids` and
-`include_stop_str_in_output` are taken too.
+`include_stop_str_in_output` are taken too, and vLLM's `allowed_token_ids`.
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
 `best_of`, `suffix`, tools. They are accepted at their neutral values (`best_of: 1`), which some
 clients always send.
@@ -134,6 +134,7 @@ class _Generation(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's
     min_tokens: int = Field(0, ge=0)  # vLLM's
     stop_token_ids: list[int] | None = None  # vLLM's: as token ids in stop
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
 
     def bias(self) -> dict[int, float]:
@@ -144,6 +145,8 @@ class _Generation(BaseModel):
             raise ApiError.bad("logit_bias", "keys must be token ids, e.g. {\"50256\": -100}") from None
 
     def refuse_unsupported(self) -> None:
+        if self.allowed_token_ids == []:
+            raise ApiError.bad("allowed_token_ids", "must not be empty (leave it out to allow every token)")
         if self.stream_options is not None and not self.stream:
             raise ApiError.bad("stream_options", "only allowed with stream: true")
 

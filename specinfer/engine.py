@@ -103,6 +103,7 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
     check_token_ids("prompt", req.prompt, vocab_size)
     check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
     check_token_ids("logit_bias", [t for t, _ in req.sampling.logit_bias], vocab_size)
+    check_token_ids("allowed_token_ids", req.sampling.allowed_token_ids, vocab_size)
     if req.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
     if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:

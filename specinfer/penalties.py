@@ -1,5 +1,6 @@
 """The sampling parameters that depend on what a request has said so far: presence, frequency and
-repetition penalties, a logit bias, and a least number of tokens before the request may end. They
+repetition penalties, a logit bias, and a least number of tokens before the request may end; and
+the set of tokens a request may generate at all. They
 define the distribution a client asks for; the verifier adjusts each row's logits with them before
 it decides (greedy argmax, the coupled sample or MSS then see the adjusted distribution), so the
 output is exactly plain decoding with the same parameters, whatever was drafted.
@@ -9,6 +10,7 @@ plus the tokens from the root's child down to u, exactly what plain decoding wou
 before predicting that position. Row 0 (after the root) sees the record alone.
 
 For each row, in vLLM's order (its V1 sampler):
+    0. allowed_token_ids:  when given, every other token gets -inf
     1. min_tokens:  while fewer than min_tokens tokens are generated, the tokens that would end the
                     request (its stop tokens, the model's EOS unless ignored) get -inf, unless
                     nothing else is left (a grammar that allows only the end wins)
@@ -60,6 +62,12 @@ def adjust_logits(logits: torch.Tensor, roots: list[int], trees: list[TokenTree]
     counts += along
     seen += along
     x = logits[torch.tensor(rows, device=dev)].float()  # [n_rows, V]
+
+    allowed = [(k, t) for k, i in enumerate(asked) for t in sampling[i].allowed_token_ids]
+    if allowed:
+        limited = torch.tensor([bool(sampling[i].allowed_token_ids) for i in asked], device=dev)[owner_t]
+        barred = limited[:, None] & (_counts(len(asked), vocab, allowed, dev)[owner_t] == 0)
+        x = x.masked_fill(barred, float("-inf"))
 
     held = [(r, t) for r, k in enumerate(owner) if generated[r] < sampling[asked[k]].min_tokens
             for t in stop_ids[asked[k]]]

@@ -40,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these tokens may be generated (empty: all)
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +50,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Its rows' logits depend on the request's own tokens or carry a bias (penalties.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids)
 
     @property
     def sampled_drafts(self) -> bool:

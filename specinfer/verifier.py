@@ -110,6 +110,7 @@ class Verifier:
                 raise ValueError(f"top_logprobs (request {req.request_id}): from 0 to {MAX_TOP}, got {req.top_logprobs}")
             check_token_ids(f"tree (request {req.request_id})", req.tree.tokens, vocab)
             check_token_ids(f"logit_bias (request {req.request_id})", [t for t, _ in req.sampling.logit_bias], vocab)
+            check_token_ids(f"allowed_token_ids (request {req.request_id})", req.sampling.allowed_token_ids, vocab)
             check_token_ids(f"stop_token_ids (request {req.request_id})", req.stop_ids, vocab)
             for g in req.tree.groups:
                 check_token_ids(f"tree (request {req.request_id}): q_token_ids", g.q_ids, vocab)

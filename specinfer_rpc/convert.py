@@ -18,7 +18,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
                           seed=pb.seed, mss=pb.mss, presence_penalty=pb.presence_penalty,
                           frequency_penalty=pb.frequency_penalty,
                           repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
-                          logit_bias=tuple(sorted(pb.logit_bias.items())), min_tokens=pb.min_tokens)
+                          logit_bias=tuple(sorted(pb.logit_bias.items())), min_tokens=pb.min_tokens,
+                          allowed_token_ids=tuple(sorted(set(pb.allowed_token_ids))))
 
 
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
@@ -26,7 +27,7 @@ def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
                                      seed=s.seed, mss=s.mss,
                                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
                                      repetition_penalty=s.repetition_penalty, logit_bias=dict(s.logit_bias),
-                                     min_tokens=s.min_tokens)
+                                     min_tokens=s.min_tokens, allowed_token_ids=s.allowed_token_ids)
 
 
 def tree_from_pb(pb: common_pb2.TokenTree) -> TokenTree:

@@ -147,16 +147,17 @@ def test_min_p_gives_plain_seeded_sampling_with_min_p_whatever_the_speculation(g
     assert want != seeded_reference(Request(ids, 24, replace(sampling, min_p=0.0), ignore_eos=True))
 
 
-def test_penalties_bias_and_min_tokens_give_the_engines_output_whatever_the_speculation(gw, tokenizer,
-                                                                                       heldout_prompts):
+def test_penalties_bias_min_tokens_and_allowed_ids_give_the_engines_output_whatever_the_speculation(
+        gw, tokenizer, heldout_prompts):
     """Greedy and seeded, through the gateway: the in-process LLM alone with the same parameters."""
     c = client(gw["url"])
     ids = tokenizer(heldout_prompts[0]["prompt"])["input_ids"]
     eos = tokenizer.eos_token_id
     params = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "logit_bias": {str(eos): 3.0, "11": -2.0}}
-    extra = {"repetition_penalty": 1.3, "min_tokens": 10}
+    allowed = sorted(set(range(0, tokenizer.vocab_size, 2)) | {eos})
+    extra = {"repetition_penalty": 1.3, "min_tokens": 10, "allowed_token_ids": allowed}
     sampling = SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
-                              logit_bias=((11, -2.0), (eos, 3.0)), min_tokens=10)
+                              logit_bias=((11, -2.0), (eos, 3.0)), min_tokens=10, allowed_token_ids=tuple(allowed))
     for temperature, seed in ((0.0, 0), (0.8, 5)):
         want = seeded_reference(Request(ids, 24, replace(sampling, temperature=temperature, seed=seed)))
         for speculation in ("off", "2,2,1,1"):
@@ -166,6 +167,7 @@ def test_penalties_bias_and_min_tokens_give_the_engines_output_whatever_the_spec
             assert got == want, (temperature, speculation)
     plain = reference_greedy([ids], 24)[0]
     assert plain != want and eos not in want[:10]
+    assert set(want) <= set(allowed) and not set(plain) <= set(allowed)
 
 
 def test_stop_strings_and_stop_token_ids_end_the_text_before_them(gw, tokenizer, heldout_prompts):
@@ -241,6 +243,8 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"logit_bias": {"1000000": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens"), ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"speculation": "9,9"}}, "speculation"), ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+    ({"extra_body": {"allowed_token_ids": [10 ** 9]}}, "allowed_token_ids"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
     ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):

@@ -31,6 +31,8 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], s: Sam
               stop_ids=()) -> torch.Tensor:
     """The adjusted logits [V] of one position, plainly, from the definitions in vLLM's order."""
     x = logits.double().clone()
+    if s.allowed_token_ids:
+        x[[v for v in range(len(x)) if v not in s.allowed_token_ids]] = float("-inf")
     if len(output) < s.min_tokens:
         x[list(stop_ids)] = float("-inf")
     for token, bias in s.logit_bias:
@@ -103,7 +105,8 @@ def prompts(shipped, heldout_prompts):
 def penalized(shipped, prompts):
     """The penalized, biased requests and their plain greedy decoding of the adjusted logits."""
     tok, hf, llm, _ = shipped
-    s = dataclasses.replace(PENALIZED, logit_bias=((tok.convert_tokens_to_ids("Ġthe"), 1.5),))
+    s = dataclasses.replace(PENALIZED, logit_bias=((tok.convert_tokens_to_ids("Ġthe"), 1.5),),
+                            allowed_token_ids=tuple(t for t in range(llm.cfg.vocab_size) if t % 3))
     reqs = [Request(p, NEW_TOKENS, s) for p in prompts]
     return reqs, [hf_adjusted_greedy(hf, p, NEW_TOKENS, s, set(llm.cfg.eos_token_ids)) for p in prompts]
 
@@ -150,7 +153,7 @@ def test_a_seed_with_penalties_gives_the_same_tokens_whatever_the_speculation(sh
 
 MARKOV_PROMPT = [0, 1, 1, 2]
 MARKOV_SAMPLING = SamplingParams(temperature=0.9, presence_penalty=1.2, frequency_penalty=0.8, repetition_penalty=2.0,
-                                 logit_bias=((3, 0.8),))
+                                 logit_bias=((3, 0.8),), allowed_token_ids=(0, 1, 3))
 
 
 def markov_adjusted_exact(P: torch.Tensor, s: SamplingParams, keep: int) -> dict:
@@ -200,6 +203,7 @@ def test_chi_square_rejects_rows_adjusted_without_their_ancestors(monkeypatch):
     ("logit_bias", SamplingParams(logit_bias=((1 << 20, 1.0),))),
     ("min_tokens", SamplingParams(min_tokens=-1)),
     ("min_tokens", SamplingParams(min_tokens=9)),
+    ("allowed_token_ids", SamplingParams(allowed_token_ids=(1, 1 << 20))),
 ])
 def test_bad_sampling_parameters_are_refused_naming_the_field(field, sampling):
     with pytest.raises(ValueError, match=f"^{field}"):

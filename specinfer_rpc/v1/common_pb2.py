@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"\xf0\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0b\n\x03mss\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penalty\"i\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x13\n\x0bq_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07q_probs\x18\x03 \x03(\x02\x12\x10\n\x08\x63hildren\x18\x04 \x03(\x05\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\"_\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12.\n\x0c\x64raft_groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroup\"r\n\x0b\x46\x65\x61tureRows\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12)\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1a.specinfer.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*d\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specinfer/v1/common.proto\x12\x0cspecinfer.v1\"\x8b\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05min_p\x18\x0b \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0b\n\x03mss\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\t \x03(\x0b\x32+.specinfer.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x19\n\x11\x61llowed_token_ids\x18\x0c \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06_top_pB\x15\n\x13_repetition_penalty\"i\n\nDraftGroup\x12\x0e\n\x06parent\x18\x01 \x01(\x05\x12\x13\n\x0bq_token_ids\x18\x02 \x03(\x05\x12\x0f\n\x07q_probs\x18\x03 \x03(\x02\x12\x10\n\x08\x63hildren\x18\x04 \x03(\x05\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\"_\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12.\n\x0c\x64raft_groups\x18\x03 \x03(\x0b\x32\x18.specinfer.v1.DraftGroup\"r\n\x0b\x46\x65\x61tureRows\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x0c\n\x04rows\x18\x02 \x01(\x05\x12\r\n\x05width\x18\x03 \x01(\x05\x12)\n\x05\x64type\x18\x04 \x01(\x0e\x32\x1a.specinfer.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*d\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FEATUREDTYPE']._serialized_start=830
-  _globals['_FEATUREDTYPE']._serialized_end=930
+  _globals['_FEATUREDTYPE']._serialized_start=857
+  _globals['_FEATUREDTYPE']._serialized_end=957
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=412
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=331
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=379
-  _globals['_DRAFTGROUP']._serialized_start=414
-  _globals['_DRAFTGROUP']._serialized_end=519
-  _globals['_TOKENTREE']._serialized_start=521
-  _globals['_TOKENTREE']._serialized_end=616
-  _globals['_FEATUREROWS']._serialized_start=618
-  _globals['_FEATUREROWS']._serialized_end=732
-  _globals['_TOKENLOGPROB']._serialized_start=734
-  _globals['_TOKENLOGPROB']._serialized_end=828
+  _globals['_SAMPLINGPARAMS']._serialized_end=439
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=358
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=406
+  _globals['_DRAFTGROUP']._serialized_start=441
+  _globals['_DRAFTGROUP']._serialized_end=546
+  _globals['_TOKENTREE']._serialized_start=548
+  _globals['_TOKENTREE']._serialized_end=643
+  _globals['_FEATUREROWS']._serialized_start=645
+  _globals['_FEATUREROWS']._serialized_end=759
+  _globals['_TOKENLOGPROB']._serialized_start=761
+  _globals['_TOKENLOGPROB']._serialized_end=855
 # @@protoc_insertion_point(module_scope)
