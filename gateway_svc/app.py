@@ -248,7 +248,8 @@ class Gateway:
                     response_format=generation_pb2.ResponseFormat(**{grammar[0]: grammar[1]}) if grammar else None)
                 echo = (text if isinstance(text, str) else self.decode(prompt)) if body.echo else None
                 choices.append(Choice(p * body.n + j, self.stub.Generate(request, timeout=self.timeout, metadata=metadata),
-                                      Tally(len(prompt), TextStream(self.decode, stops, body.include_stop_str_in_output), set(stop_ids), silent),
+                                      Tally(len(prompt), TextStream(self.decode, stops, body.include_stop_str_in_output),
+                                            set(stop_ids), silent),
                                       prompt, echo))
         start = time.perf_counter()
         try:

@@ -59,15 +59,19 @@ def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[Sampli
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        cut = probs.masked_fill(drop, 0.0)
-        # rows without top-p stay as they were, so a row does not depend on the others' settings
-        probs = torch.where(top_p[:, None] < 1.0, cut / cut.sum(dim=-1, keepdim=True), probs)
+        probs = _truncated(probs, drop, top_p < 1.0)
     if any(p.min_p > 0.0 for p in rows):
         # a token stays if it is at least min_p times as likely as the most likely one (which stays)
         min_p = torch.tensor([p.min_p for p in rows], dtype=torch.float32).to(dev, non_blocking=True)
-        cut = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = torch.where(min_p[:, None] > 0.0, cut / cut.sum(dim=-1, keepdim=True), probs)
+        probs = _truncated(probs, probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), min_p > 0.0)
     return probs
+
+
+def _truncated(probs: torch.Tensor, drop: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] with the `drop` [N, V] tokens removed and renormalized in the `rows` [N] that set the
+    truncation; the other rows stay as they were, so a row does not depend on the others' settings."""
+    cut = probs.masked_fill(drop, 0.0)
+    return torch.where(rows[:, None], cut / cut.sum(dim=-1, keepdim=True), probs)
 
 
 def sparsify(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
