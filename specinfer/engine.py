@@ -44,7 +44,7 @@ PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager
 # step costs more with every row: the default 2,1,1 tree whole for 1-2 requests, none from 9 streams, where
 # plain decoding wins (bench/results/services_defaults_cpu.md). On a GPU 8 requests with 16-node trees (136
 # rows) cost 1.42x a step of 8 rows (bench/results/runtime_h200.md), while one stream's trees emitted 5.6
-# tokens a step (bench/results/services_h200_7b_in_process.json): the whole tree up to 42 requests, two
+# tokens a step (bench/results/services_h200_7b_budget16_in_process.json): the whole tree up to 42 requests, two
 # levels at 64; the controller picks the depth within.
 TREE_BUDGETS = {"cpu": 16, "cuda": 256}
 
