@@ -47,8 +47,8 @@ stops costing that request while the others keep drafting; a cut-off drafter sti
 for it every PROBE steps, so it wins the request back when the text changes.
 
 All fits are least squares over the most recent `window` steady iterations (no prompt being
-prefilled), so the model follows the machine and the load. On a GPU a verifier step costs about the
-same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
+prefilled; not a choice's first WARMUP iterations, which pay one-time costs), so the model follows
+the machine and the load. On a GPU a verifier step costs about the same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
 wins, the choice drops to lookup's chain first or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
 neighbouring choice instead (a shallower or deeper SSM tree; from none or depth 1, also lookup's chain
@@ -219,6 +219,8 @@ class Looks:
     count: int = 0  # looks so far (taking the neighbours in turn)
 
 
+WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or compiled for its paths and
+# shapes, buffers grown): their costs are left out of the fits (see SpeculationController.record)
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
 PROBE = 8  # a drafter cut off from a request drafts one level for it every PROBE steps
 
@@ -238,7 +240,7 @@ class SpeculationController:
         # of the requests drafted for, the share whose lookup found nothing (on its choice the SSMs draft those)
         self.fallback = Share(prior, prior_weight, forget)
         self.looks: dict[int, Looks] = {}  # batch size -> its schedule of looks at a neighbour
-        self.seen: dict[Choice, int] = {}  # choice -> iterations measured at it
+        self.seen: dict[Choice, int] = {}  # choice -> iterations run at it (its first WARMUP warm-up)
         # each drafter's own tree (drafter number -> how deep the LLM accepted the drafter's tree alone),
         # over all requests; a request's own figures (`own`) are pulled towards these
         self.prior, self.forget = prior, forget
@@ -305,8 +307,8 @@ class SpeculationController:
         options = self.choices(len(full_trees))
         if len(options) == 1:  # no tree fits the budget at this batch size: nothing to weigh
             return PLAIN
-        for c in options:  # measure every choice a couple of times first
-            if self.seen.get(c, 0) < 2:
+        for c in options:  # measure every choice a couple of times first, after its warm-up
+            if self.seen.get(c, 0) < WARMUP + 2:
                 return c
         rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
         best = max(range(len(options)), key=rates.__getitem__)
@@ -340,12 +342,19 @@ class SpeculationController:
         return near or [c]
 
     def record(self, step: Iteration) -> None:
+        """The iteration's costs into the fits, its acceptance into the figures. A choice's first
+        WARMUP iterations record their acceptance only: a path's first steps in a process may pay for
+        loading or compiling its kernels (a Triton variant compiles in seconds) or growing buffers.
+        Taken as a step's cost before the fits have `settled` enough samples to clip against, such a
+        step enters whole, and the drafting fit, which hears only from steps that draft, then keeps
+        it in its window for as long as it holds the choice on plain decoding."""
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
-        self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
-        if step.draft_levels:
-            self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
-        self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
-                          max(0.0, step.seconds - step.verify_s - step.draft_s))
+        if self.seen[step.choice] > WARMUP:
+            self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
+            if step.draft_levels:
+                self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
+            self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
+                              max(0.0, step.seconds - step.verify_s - step.draft_s))
         if not step.choice.depth or not step.accepted:
             return
         self.acceptance[True].record([a for a, asked in zip(step.accepted, step.asked) if asked]
