@@ -151,6 +151,8 @@ async def main(cfg: ManagerConfig) -> None:
         for task in tasks:
             task.cancel()
         log.info("scheduler stats %s", json.dumps(engine.stats.summary()))
+        if engine.controller is not None:
+            log.info("controller stats %s", json.dumps(engine.controller.summary()))
         await asyncio.gather(verifier.close(), *(c.close() for c in speculators))
 
 

@@ -245,6 +245,8 @@ class SpeculationController:
         # over all requests; a request's own figures (`own`) are pulled towards these
         self.prior, self.forget = prior, forget
         self.by_drafter: dict[int, Acceptance] = {}
+        self.made: dict[int, dict[Choice, int]] = {}  # batch size -> choice -> iterations it was chosen
+        self.full_trees: dict[int, list[int]] = {}  # batch size -> the full trees it last allowed
 
     def pooled(self, drafter: int) -> Acceptance:
         return self.by_drafter.setdefault(drafter, Acceptance(self.prior, 2.0, self.forget))
@@ -304,6 +306,13 @@ class SpeculationController:
     def choose(self, batch_size: int, full_trees: list[int]) -> Choice:
         """What the server drafts this iteration; full_trees[m-1] is the node count of one
         speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
+        choice = self._choose(batch_size, full_trees)
+        made = self.made.setdefault(batch_size, {})
+        made[choice] = made.get(choice, 0) + 1
+        self.full_trees[batch_size] = full_trees
+        return choice
+
+    def _choose(self, batch_size: int, full_trees: list[int]) -> Choice:
         options = self.choices(len(full_trees))
         if len(options) == 1:  # no tree fits the budget at this batch size: nothing to weigh
             return PLAIN
@@ -325,6 +334,17 @@ class SpeculationController:
             near = self.neighbours(options, best)
             return near[(look.count - 1) % len(near)]
         return options[best]
+
+    def summary(self) -> dict:
+        """Per batch size: how often each choice was made, and each choice's predicted tokens per second
+        of the batch now (for a log line: why a load ran with the trees it did)."""
+        def label(c: Choice) -> str:
+            return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
+
+        return {str(b): {"chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
+                         "predicted_tok_s": {label(c): round(self.rate(b, c, full[c.depth - 1] if c.depth else 0), 1)
+                                             for c in self.choices(len(full))}}
+                for b, made in sorted(self.made.items()) for full in [self.full_trees[b]]}
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
         """The choices a look from options[i] alternates between: the next shallower and the next

@@ -152,6 +152,16 @@ def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
             + f"; ms per iteration verifier/speculator/{split}: {parts}")
 
 
+def controller(row: dict) -> str:
+    """A manager's adaptive controller at its load's own batch size (else the one it ran most): how often it
+    made each choice, and what it predicted each would give (why the load ran with the trees it did)."""
+    at = row["manager_controller"]
+    b = str(row["concurrency"]) if str(row["concurrency"]) in at else max(at, key=lambda k: sum(at[k]["chosen"].values()))
+    chosen = ", ".join(f"{c} x{n}" for c, n in at[b]["chosen"].items())
+    predicted = ", ".join(f"{c} {r:.0f}" for c, r in at[b]["predicted_tok_s"].items())
+    return f"  controller, {row['config']} at {row['concurrency']} streams, batch {b}: chose {chosen}; predicted tok/s {predicted}"
+
+
 def services(path: Path) -> list[str]:
     """Through the services (specinfer_bench.services --in-process): per stream count speculation off and
     the manager's default against it, through the services and in process, the services against in
@@ -164,6 +174,7 @@ def services(path: Path) -> list[str]:
     for where, mine, split in (("services", rows, "manager"), ("in process", inproc, "engine")):
         for c in sorted({r["concurrency"] for r in mine}):
             lines.append(streams(where, {r["config"]: r for r in mine if r["concurrency"] == c}, c, split))
+    lines += [controller(r) for r in rows if r.get("manager_controller")]
     by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in rows}
     hops = [(r["config"], by[r["config"], 1] / r["tokens_per_s"]) for r in inproc if (r["config"], r["concurrency"]) in by
             and r["concurrency"] == 1]

@@ -160,8 +160,14 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
 
 
 def manager_stats(log: Path) -> dict:
-    lines = [l for l in log.read_text().splitlines() if "scheduler stats " in l]
-    return json.loads(lines[-1].split("scheduler stats ", 1)[1])
+    """A manager's last scheduler stats from its log, with its adaptive controller's (`controller`: per batch
+    size, the choices made and every option's predicted rate) where it logged them."""
+    lines = log.read_text().splitlines()
+    last = lambda tag: next((json.loads(l.split(tag, 1)[1]) for l in reversed(lines) if tag in l), None)  # noqa: E731
+    stats = last("scheduler stats ")
+    if (controller := last("controller stats ")) is not None:
+        stats["controller"] = controller
+    return stats
 
 
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],

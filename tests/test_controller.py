@@ -253,3 +253,19 @@ def test_a_drafter_that_rarely_agrees_on_a_request_is_cut_off_probed_and_wins_it
     assert c.drafter_levels(bad, 4, 1) >= 1
     # a new request starts from the drafter's figures over all requests
     assert c.drafter_levels(c.own(1), 4, 1) == 0 and c.drafter_levels(c.own(0), 4, 1) == 4
+
+
+def test_the_summary_counts_each_batch_sizes_choices_and_prices_every_option():
+    """The manager logs it on the way out: per batch size, each choice made and every option's
+    predicted rate; the best predicted is the choice made most in the steady half."""
+    c = SpeculationController(explore=16, lookup=True)
+    chosen = simulate(c, 2, 200, verify=lambda b, rows: 0.0046, draft_level=0.0004, chain_accept=0.9)
+    simulate(c, 1, 50, verify=lambda b, rows: 0.0046, draft_level=0.0004, chain_accept=0.9)
+    summary = c.summary()
+    assert set(summary) == {"1", "2"}
+    assert sum(summary["2"]["chosen"].values()) == 200 and sum(summary["1"]["chosen"].values()) == 50
+    top = len(EXPANSION)
+    assert set(summary["2"]["predicted_tok_s"]) == {"none", f"lookup {top}"} | {f"trees {m}" for m in range(1, top + 1)}
+    rates = summary["2"]["predicted_tok_s"]
+    label = {0: "none", "lookup": f"lookup {top}", **{m: f"trees {m}" for m in range(1, top + 1)}}
+    assert max(rates, key=rates.get) == label[chosen.most_common(1)[0][0]], (summary, chosen)
