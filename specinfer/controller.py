@@ -48,8 +48,8 @@ for it every PROBE steps, so it wins the request back when the text changes.
 
 All fits are least squares over the most recent `window` steady iterations (no prompt being
 prefilled; not a choice's first WARMUP iterations, which pay one-time costs), so the model follows
-the machine and the load. On a GPU a verifier step costs about the same for 1 row or 64 and trees stay on; on a CPU, or when a level of drafting costs more than it
-wins, the choice drops to lookup's chain first or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
+the machine and the load. On a GPU a verifier step costs about the same for 1 row or 64 and trees
+stay on; on a CPU, or when a level of drafting costs more than it wins, the choice drops to lookup's chain first or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
 neighbouring choice instead (a shallower or deeper SSM tree; from none or depth 1, also lookup's chain
 first, and from that, none or depth 1), so that every estimate stays current: `explore` iterations after the
@@ -341,10 +341,14 @@ class SpeculationController:
         def label(c: Choice) -> str:
             return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
 
+        def predicted(b: int) -> dict[str, float]:
+            full = self.full_trees[b]
+            return {label(c): round(self.rate(b, c, full[c.depth - 1] if c.depth else 0), 1)
+                    for c in self.choices(len(full))}
+
         return {str(b): {"chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
-                         "predicted_tok_s": {label(c): round(self.rate(b, c, full[c.depth - 1] if c.depth else 0), 1)
-                                             for c in self.choices(len(full))}}
-                for b, made in sorted(self.made.items()) for full in [self.full_trees[b]]}
+                         "predicted_tok_s": predicted(b)}
+                for b, made in sorted(self.made.items())}
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
         """The choices a look from options[i] alternates between: the next shallower and the next

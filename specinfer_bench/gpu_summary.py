@@ -156,10 +156,13 @@ def controller(row: dict) -> str:
     """A manager's adaptive controller at its load's own batch size (else the one it ran most): how often it
     made each choice, and what it predicted each would give (why the load ran with the trees it did)."""
     at = row["manager_controller"]
-    b = str(row["concurrency"]) if str(row["concurrency"]) in at else max(at, key=lambda k: sum(at[k]["chosen"].values()))
+    b = str(row["concurrency"])
+    if b not in at:
+        b = max(at, key=lambda k: sum(at[k]["chosen"].values()))
     chosen = ", ".join(f"{c} x{n}" for c, n in at[b]["chosen"].items())
     predicted = ", ".join(f"{c} {r:.0f}" for c, r in at[b]["predicted_tok_s"].items())
-    return f"  controller, {row['config']} at {row['concurrency']} streams, batch {b}: chose {chosen}; predicted tok/s {predicted}"
+    return (f"  controller, {row['config']} at {row['concurrency']} streams, batch {b}: chose {chosen}; "
+            f"predicted tok/s {predicted}")
 
 
 def services(path: Path) -> list[str]:
