@@ -62,35 +62,40 @@ class TileConfig:
     block_n     keys per step of the online softmax (a split of a prefix is at least 4 steps long)
     num_warps   warps per program
     num_stages  Triton's software-pipelining depth
+    per_sm      programs per SM that key splits aim for (`_num_splits`): more splits of a long prefix
+                when few requests decode; the launch's grid, not its compiled variant (LAUNCH_ONLY)
 
-    Its label names it in records and in SPECINFER_TREE_ATTENTION_CONFIG: m64-n64-w4-s3."""
+    Its label names it in records and in SPECINFER_TREE_ATTENTION_CONFIG: m64-n64-w4-s3-p2."""
 
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    per_sm: int = 2
+
+    LAUNCH_ONLY = ("per_sm",)  # fields that change the grid, not the code a variant compiles to
 
     def __post_init__(self):
         for name, lo, hi, power in (("block_m", 16, 256, True), ("block_n", 16, 256, True),
-                                    ("num_warps", 1, 16, True), ("num_stages", 1, 8, False)):
+                                    ("num_warps", 1, 16, True), ("num_stages", 1, 8, False), ("per_sm", 1, 16, True)):
             value = getattr(self, name)
             if not (type(value) is int and lo <= value <= hi and (not power or value & (value - 1) == 0)):
                 kind = "a power of two" if power else "an integer"
                 raise ValueError(f"tree attention config: {name}={value!r} must be {kind} from {lo} to {hi}")
 
     def __str__(self) -> str:
-        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}"
+        return f"m{self.block_m}-n{self.block_n}-w{self.num_warps}-s{self.num_stages}-p{self.per_sm}"
 
     @classmethod
     def parse(cls, label: str) -> "TileConfig":
-        """From a label such as m64-n128-w8-s2 (m: block_m, n: block_n, w: num_warps, s: num_stages);
-        a part left out keeps its default, so '' is the default."""
-        names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+        """From a label such as m64-n128-w8-s2-p4 (m: block_m, n: block_n, w: num_warps, s: num_stages,
+        p: per_sm); a part left out keeps its default, so '' is the default."""
+        names = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages", "p": "per_sm"}
         values = {}
         for part in filter(None, label.strip().split("-")):
             if part[0] not in names or not part[1:].isdigit():
-                raise ValueError(f"tree attention config {label!r}: {part!r} is not m<rows>, n<keys>, w<warps> "
-                                 f"or s<stages> (e.g. m64-n64-w4-s3)")
+                raise ValueError(f"tree attention config {label!r}: {part!r} is not m<rows>, n<keys>, w<warps>, "
+                                 f"s<stages> or p<programs per SM> (e.g. m64-n64-w4-s3-p2)")
             values[names[part[0]]] = int(part[1:])
         return cls(**values)
 
@@ -138,15 +143,33 @@ def _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, tree_start,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax of a tile's rows over key slots lo .. hi-1 of request b. A key is visible
     below the row's causal limit (prefix) or where the row's ancestor bit is set (TREE).
-    Returns the unnormalized state (acc [BLOCK_M, BLOCK_D], running max m, sum l), log2 domain."""
+    Returns the unnormalized state (acc [BLOCK_M, BLOCK_D], running max m, sum l), log2 domain.
+
+    TREE: lo is the tree's first slot, so a step's keys are tree slots t0 .. t0 + BLOCK_N - 1 with
+    t0 a multiple of BLOCK_N: their bits are the same WORDS words of each row, loaded once per row
+    rather than once per row and key. (Skipping a step whose keys no row sees, a branch in the
+    loop, stopped Triton 3.6 from pipelining the K/V loads and spilled 232 B on sm_90: not done.)"""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    WORDS: tl.constexpr = (BLOCK_N + 31) // 32  # bit words a step's keys span
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < hi
+        if TREE:
+            t = j - tree_start
+            first = (j0 - tree_start) >> 5
+            column = (t >> 5) - first  # [BLOCK_N]: which of the step's words holds the key's bit
+            word = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+            for w in tl.static_range(WORDS):
+                at = qi * n_words + first + w
+                bits = tl.load(tree_bits + at, mask=row_ok & (at < (qi + 1) * n_words), other=0)
+                word = tl.where(column[None, :] == w, bits[:, None], word)
+            visible = (((word >> (t[None, :] & 31)) & 1) != 0) & j_ok[None, :]
+        else:
+            visible = (j[None, :] < limit[:, None]) & j_ok[None, :]
         block = tl.load(block_tables + b * stride_bt + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)  # large pools
         slot = j % BLOCK_SIZE
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -158,15 +181,7 @@ def _attend(q, qi, row_ok, b, kv_head, lo, hi, limit, tree_start,
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale_log2
-        if TREE:
-            t = j - tree_start
-            word = tl.load(tree_bits + qi[:, None] * n_words + (t[None, :] >> 5),
-                           mask=row_ok[:, None] & j_ok[None, :], other=0)
-            visible = (((word >> (t[None, :] & 31)) & 1) != 0) & j_ok[None, :]
-        else:
-            visible = (j[None, :] < limit[:, None]) & j_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(visible, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -274,7 +289,11 @@ def _tree_kernel(
                                                      GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, UPCAST)
         d = tl.arange(0, BLOCK_D)
         tree_start = tl.load(tree_starts + b)
-        acc, m_i, l_i = _attend(q, qi, row_ok, b, kv_head, tree_start, tl.load(seq_lens + b), qi, tree_start,
+        # a request's queries hold its last slots, up to seq_len, and none sees a slot after its own
+        # (a node's ancestors come before it): the tile's keys end at its last query's slot
+        seq_len, q_end = tl.load(seq_lens + b), tl.load(q_starts + b + 1)
+        hi = tl.minimum(seq_len, seq_len - q_end + tl.max(tl.where(row_ok, qi, 0), 0) + 1)
+        acc, m_i, l_i = _attend(q, qi, row_ok, b, kv_head, tree_start, hi, qi, tree_start,
                                 K, V, block_tables, tree_bits, n_words, scale_log2,
                                 stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bt,
                                 True, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, IEEE, UPCAST)
@@ -318,15 +337,15 @@ def _sm_count(gpu_driver, device: int) -> int:
     return gpu_driver.utils.get_device_properties(device)["multiprocessor_count"]
 
 
-def _num_splits(programs: int, max_seq_len: int, min_split: int) -> int:
-    """The most key splits a request's prefix may use: enough to give every SM about two programs,
-    each split at least `min_split` keys long. Which of them a request uses is planned on the
+def _num_splits(programs: int, max_seq_len: int, min_split: int, per_sm: int) -> int:
+    """The most key splits a request's prefix may use: enough to give every SM about `per_sm`
+    programs, each split at least `min_split` keys long. Which of them a request uses is planned on the
     device from its real length (`_splits_of`), so a bucket's bound costs idle programs, not work.
     The SMs are those of the GPU Triton compiles for (its active driver's current device)."""
     if INTERPRETED or programs == 0:
         return 1
     sms = _sm_count(driver.active, driver.active.get_current_device())
-    return max(1, min(math.ceil(2 * sms / programs), math.ceil(max_seq_len / min_split), 64))
+    return max(1, min(math.ceil(per_sm * sms / programs), math.ceil(max_seq_len / min_split), 64))
 
 
 def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
@@ -351,7 +370,7 @@ def tree_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_m, block_n = config.tile_rows(batch.max_queries * group), config.block_n
     tile_request, tile_row = _tiles(batch, group, block_m)
     min_split = block_n if num_splits else 4 * block_n
-    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split)
+    splits = num_splits or _num_splits(len(tile_request) * hkv, batch.max_seq_len, min_split, config.per_sm)
     direct = splits == 1 and not batch.has_tree
     o = out[None] if direct else torch.empty(splits, n_q, hq, d, dtype=torch.float32, device=q.device)
     lse = o if direct else torch.empty(splits, n_q, hq, dtype=torch.float32, device=q.device)

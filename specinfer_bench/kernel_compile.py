@@ -259,11 +259,12 @@ def fused_calls(shapes: Shapes, dtype) -> dict:
 
 
 def configs(which: str) -> list[TileConfig]:
-    """default: the configuration serving uses; sweep: every one of kernel_sweep's axes' combinations."""
+    """default: the configuration serving uses; sweep: every combination of kernel_sweep's axes that
+    compiles a kernel of its own (an axis of the grid alone, `TileConfig.LAUNCH_ONLY`, keeps its default)."""
     if which == "default":
         return [default_config()]
-    names = list(GPU_AXES)
-    return [TileConfig(**dict(zip(names, values))) for values in itertools.product(*GPU_AXES.values())]
+    axes = {name: values for name, values in GPU_AXES.items() if name not in TileConfig.LAUNCH_ONLY}
+    return [TileConfig(**dict(zip(axes, values))) for values in itertools.product(*axes.values())]
 
 
 def survey(arch: int, shapes: list[Shapes], dtypes: list[str], tile_configs: list[TileConfig],

@@ -1,6 +1,7 @@
-"""Tree attention's configurations (`TileConfig`: rows and keys of a tile, warps, stages) timed against
-SDPA with the tree mask on the cells that decide its goals, to choose the default on a GPU (issue 62:
->= 1.0x SDPA in every cell, >= 60% of HBM peak where prefix >= 2048 and batch >= 8).
+"""Tree attention's configurations (`TileConfig`: rows and keys of a tile, warps, stages, programs per
+SM that key splits aim for) timed against SDPA with the tree mask on the cells that decide its goals,
+to choose the default on a GPU (issue 62: >= 1.0x SDPA in every cell, >= 60% of HBM peak where
+prefix >= 2048 and batch >= 8).
 
 The search goes one axis at a time from the default: an axis's values are tried with the others at
 the best so far, and a better one replaces it (better: more cells >= 1.0x, then a higher geometric
@@ -55,7 +56,8 @@ CPU_CELLS = [(40, 1, 1), (24, 6, 2)]
 GPU_HEADS = dict(hq=32, hkv=8, d=128)  # Llama-3-8B
 CPU_HEADS = dict(hq=4, hkv=2, d=32)
 # each axis holds the default's value, so a pass can always keep it
-GPU_AXES = {"block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4], "block_m": [32, 64, 128]}
+GPU_AXES = {"block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4], "block_m": [32, 64, 128],
+            "per_sm": [1, 2, 4, 8]}
 CPU_AXES = {"block_n": [32, 64]}
 
 

@@ -76,3 +76,27 @@ def test_variants_compiled_ahead_in_worker_processes_are_the_ones_the_launches_t
     assert result["new_files"] == []  # every launch found its variant in the cache: nothing compiled again
     figures = lambda rows: sorted((r["kernel"], r["regs"], r["stack"], r["shared"]) for r in rows)
     assert sorted(set(figures(result["here"]))) == sorted(set(figures(result["ahead"])))  # the same cubins
+
+
+SPLITS = """
+import json
+from specinfer_bench.kernel_compile import offline
+from specinfer_kernels import tree_attention_triton as tat
+
+with offline(90):  # 132 SMs
+    print(json.dumps({p: [tat._num_splits(programs, 16384, 256, p) for programs in (16, 160, 1280)] for p in (1, 2, 4, 8)}))
+"""
+
+
+def test_more_programs_per_sm_split_a_long_prefix_more_ways_within_its_length():
+    """`per_sm` (a TileConfig field): decoding requests over a 16k prefix get at least per_sm x 132
+    programs of key splits where the prefix is long enough (splits of at least 256 keys, at most 64)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SPLITS], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    splits = {int(p): s for p, s in json.loads(proc.stdout.splitlines()[-1]).items()}
+    for p, per_programs in splits.items():
+        for programs, n in zip((16, 160, 1280), per_programs):
+            assert 1 <= n <= 64 and 16384 / n >= 256
+            assert n * programs >= p * 132 or n == 64
+    assert splits[1][0] < splits[2][0] < splits[4][0] <= splits[8][0]  # one request: more splits as asked

@@ -220,14 +220,26 @@ def test_a_tile_config_other_than_the_default_gives_the_references_output(monkey
     warps and stages: the same attention, whether passed or named by the environment variable."""
     q, k, v, batch, _, _ = make_case(6, [(40, 1, 0, 20, "random"), (3, 0, 0, 2, "chain")], 2, 2, 32, torch.float32)
     want = tree_attention_reference(q, k, v, batch)
-    config = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2)
+    config = TileConfig(block_m=16, block_n=32, num_warps=2, num_stages=2, per_sm=4)
     compiled = {}
     got = tree_attention_triton(q, k, v, batch, config=config, compiled=compiled)
     assert (got - want).abs().max().item() <= TOLERANCE[torch.float32]
     assert set(compiled) == {"prefix", "tree"}  # their handles (None under the interpreter)
     monkeypatch.setenv(CONFIG_VARIABLE, str(config))
-    assert TileConfig.parse(str(config)) == config and str(config) == "m16-n32-w2-s2"
+    assert TileConfig.parse(str(config)) == config and str(config) == "m16-n32-w2-s2-p4"
     assert torch.equal(tree_attention_triton(q, k, v, batch), got)
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+def test_tree_steps_of_any_width_read_the_right_bit_words_and_skip_only_invisible_keys(block_n):
+    """The tree launch loads each row's bit words once per step of block_n keys (half a word, one,
+    four), ends each tile's keys at its last node, and skips steps that hold none of its nodes'
+    ancestors: a 300-node tree (10 words) in 16-row tiles, beside an old tree growing 20 new nodes,
+    gives the reference's rows."""
+    q, k, v, batch, _, _ = make_case(block_n, [(70, 1, 0, 300, "random"), (9, 0, 12, 20, "random")], 2, 2, 32,
+                                     torch.float32)
+    got = tree_attention_triton(q, k, v, batch, config=TileConfig(block_m=16, block_n=block_n))
+    assert (got - tree_attention_reference(q, k, v, batch)).abs().max().item() <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("label,reason", [
@@ -235,7 +247,7 @@ def test_a_tile_config_other_than_the_default_gives_the_references_output(monkey
     ("n8", "block_n=8 must be a power of two from 16 to 256"),
     ("w3", "num_warps=3 must be a power of two"),
     ("s0", "num_stages=0 must be an integer from 1 to 8"),
-    ("m64-x4", "'x4' is not m<rows>, n<keys>, w<warps> or s<stages>"),
+    ("m64-x4", "'x4' is not m<rows>, n<keys>, w<warps>, s<stages> or p<programs per SM>"),
 ])
 def test_an_invalid_tile_config_is_refused_with_its_reason(label, reason, monkeypatch):
     with pytest.raises(ValueError, match=re.escape(reason)):
