@@ -82,7 +82,7 @@ class Fit:
 
     window: int = 256
     samples: deque = field(default_factory=deque)
-    coef: np.ndarray | None = None
+    coef: list[float] | None = None  # solved from the sums when first asked after a change
     xtx: np.ndarray | None = None  # sum of x x' over the window
     xty: np.ndarray | None = None  # sum of x y over the window
     clip: float = 2.0
@@ -108,8 +108,11 @@ class Fit:
             return 0.0
         if self.coef is None:
             ridge = 1e-6 * max(1.0, float(np.trace(self.xtx)) / len(self.samples))
-            self.coef = np.linalg.solve(self.xtx + ridge * np.eye(len(self.xty)), self.xty)
-        return max(0.0, float(np.dot(self.coef, x)))
+            a = self.xtx.copy()
+            a.flat[:: len(a) + 1] += ridge
+            self.coef = np.linalg.solve(a, self.xty).tolist()
+        # a handful of features, a dozen predictions an iteration: plain floats, not numpy calls
+        return max(0.0, sum(c * v for c, v in zip(self.coef, x)))
 
 
 @dataclass(frozen=True)
