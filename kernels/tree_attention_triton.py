@@ -73,7 +73,8 @@ class TileConfig:
     num_stages: int = 3
     per_sm: int = 2
 
-    LAUNCH_ONLY = ("per_sm",)  # fields that change the grid, not the code a variant compiles to
+    LAUNCH_ONLY = ("per_sm",)  # fields that change the grid, not a variant's code (though one split or
+    # several decides whether the prefix launch writes the output directly: a variant the other cells compile)
 
     def __post_init__(self):
         for name, lo, hi, power in (("block_m", 16, 256, True), ("block_n", 16, 256, True),

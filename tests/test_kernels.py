@@ -231,11 +231,10 @@ def test_a_tile_config_other_than_the_default_gives_the_references_output(monkey
 
 
 @pytest.mark.parametrize("block_n", [16, 32, 128])
-def test_tree_steps_of_any_width_read_the_right_bit_words_and_skip_only_invisible_keys(block_n):
+def test_tree_steps_of_any_width_read_the_right_bit_words_and_end_at_each_tiles_last_node(block_n):
     """The tree launch loads each row's bit words once per step of block_n keys (half a word, one,
-    four), ends each tile's keys at its last node, and skips steps that hold none of its nodes'
-    ancestors: a 300-node tree (10 words) in 16-row tiles, beside an old tree growing 20 new nodes,
-    gives the reference's rows."""
+    four) and ends each tile's keys at its last node: a 300-node tree (10 words) in 16-row tiles,
+    beside an old tree growing 20 new nodes, gives the reference's rows."""
     q, k, v, batch, _, _ = make_case(block_n, [(70, 1, 0, 300, "random"), (9, 0, 12, 20, "random")], 2, 2, 32,
                                      torch.float32)
     got = tree_attention_triton(q, k, v, batch, config=TileConfig(block_m=16, block_n=block_n))
