@@ -74,6 +74,12 @@ def kernel(path: Path) -> list[str]:
     if not cells:
         lines.append(f"kernel: not timed ({result['meta']['note'] or 'no kernel rows'})")
     else:
+        checked = [r for r in cells if "kernel_right" in r]  # (records before 2026-11-29 did not check)
+        wrong = [r for r in checked if not r["kernel_right"]]
+        if checked:
+            lines.append(f"kernel = reference in {len(checked) - len(wrong)} of {len(checked)} cells" + "".join(
+                f"; WRONG at prefix {r['prefix']}, tree {r['tree']}, batch {r['batch']} (max error {r['kernel_max_error']:.2g})"
+                for r in wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
         worst = min(cells, key=lambda r: r["kernel_vs_sdpa"])
         name = " ".join(filter(None, ["kernel", result["meta"].get("config")]))
         lines.append(f"{name} vs SDPA+mask: >= 1.0x in {sum(r['kernel_vs_sdpa'] >= 1 for r in cells)} of {len(cells)} "

@@ -155,7 +155,11 @@ def bench_attention(grid: dict, dtype, device, peak: float | None) -> list[dict]
                "reference_ms": timed_ms(lambda: tree_attention_reference(q, k, v, tb), cuda),
                "sdpa_mask_ms": sdpa_ms(q, k, v, tb, cuda)}
         if cuda:
-            from specinfer_kernels.tree_attention_triton import tree_attention_triton
+            from specinfer_kernels.tree_attention_triton import TOLERANCE, tree_attention_triton
+            # checked before it is timed: a fast wrong kernel is no figure (NaN is wrong too)
+            error = (tree_attention_triton(q, k, v, tb).float() - tree_attention_reference(q, k, v, tb).float()).abs().max()
+            row["kernel_max_error"] = error.item()
+            row["kernel_right"] = row["kernel_max_error"] <= TOLERANCE[dtype]
             row["kernel_ms"] = timed_ms(lambda: tree_attention_triton(q, k, v, tb), cuda, graph=True)
             row["kernel_gbps"] = kv_bytes(k, tb) / row["kernel_ms"] / 1e6
             if peak:
@@ -207,13 +211,14 @@ def markdown(meta: dict, attention: list[dict], steps: list[dict]) -> str:
         out += [f"Kernel configuration: {meta['config']} (a `TileConfig` label).", ""]
     kernel = "kernel_ms" in (attention[0] if attention else {})
     head = ["prefix", "tree", "batch", "reference ms", "SDPA+mask ms"] + (
-        ["kernel ms", "kernel vs SDPA", "KV GB/s", "of peak"] if kernel else [])
+        ["kernel ms", "kernel vs SDPA", "KV GB/s", "of peak", "max error"] if kernel else [])
     out += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in attention:
         cells = [r["prefix"], r["tree"], r["batch"], f"{r['reference_ms']:.3f}", f"{r['sdpa_mask_ms']:.3f}"]
         if kernel:
             cells += [f"{r['kernel_ms']:.3f}", f"{r['kernel_vs_sdpa']:.2f}x", f"{r['kernel_gbps']:.0f}",
-                      f"{r.get('kernel_peak_fraction', float('nan')):.0%}"]
+                      f"{r.get('kernel_peak_fraction', float('nan')):.0%}",
+                      f"{r['kernel_max_error']:.1e}" + ("" if r["kernel_right"] else " WRONG")]
         out.append("| " + " | ".join(map(str, cells)) + " |")
     if not steps:
         return "\n".join(out) + "\n"

@@ -201,6 +201,25 @@ def test_the_gpu_summary_of_a_runtime_run_says_where_the_gpu_waits_and_what_a_tr
     assert lines[2].endswith("gemm_large +1.000 ms, attn +0.200 ms")
 
 
+def test_the_gpu_summary_of_a_kernel_table_names_the_cells_where_the_kernel_is_wrong(tmp_path):
+    from specinfer_bench.gpu_summary import kernel
+
+    def cell(prefix, error):
+        return {"prefix": prefix, "tree": 16, "batch": 8, "kernel_vs_sdpa": 1.5, "kernel_peak_fraction": 0.5,
+                "kernel_max_error": error, "kernel_right": error <= 1.6e-2}
+
+    path = tmp_path / "kernel.json"
+    path.write_text(json.dumps({"meta": {"note": "", "config": "m64-n64-w4-s3-p2"}, "verifier": [],
+                                "attention": [cell(512, 3e-3), cell(2048, 0.5), cell(8192, float("nan"))]}))
+    lines = kernel(path)
+    assert lines[0] == ("kernel = reference in 1 of 3 cells; WRONG at prefix 2048, tree 16, batch 8 (max error 0.5); "
+                        "WRONG at prefix 8192, tree 16, batch 8 (max error nan)")
+    for r in (old := json.loads(path.read_text()))["attention"]:  # a record from before the check: no claim either way
+        del r["kernel_right"]
+    path.write_text(json.dumps(old))
+    assert kernel(path)[0].startswith("kernel m64-n64-w4-s3-p2 vs SDPA+mask: >= 1.0x in 3 of 3 cells")
+
+
 def test_manager_time_writes_its_table(tmp_path):
     out = tmp_path / "manager_time"
     proc = subprocess.run([sys.executable, "-m", "specinfer_bench.manager_time", "--batches", "1,4", "--repeats", "20",
