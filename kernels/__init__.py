@@ -3,7 +3,7 @@ Triton kernel behind one function with its PyTorch reference (same contract).
 
 `tree_attention` runs the kernel on CUDA tensors and the reference elsewhere. The environment
 variable SPECINFER_TREE_ATTENTION=triton|reference overrides the choice (tests run the kernel on
-CPU tensors under TRITON_INTERPRET=1 that way). `add_rms_norm`, `rotary_qkv` and `silu_mul`
+CPU tensors under TRITON_INTERPRET=1 that way). `add_rms_norm`, `rotary_qkv` (and `rotary_qkv_store`) and `silu_mul`
 (references in fused.py, kernels in fused_triton.py) choose the same way, overridden by SPECINFER_FUSED. Triton is imported only when a
 kernel is launched, so CPU-only use never compiles anything.
 """
@@ -19,7 +19,7 @@ from .fused import add_rms_norm_reference, rotary_qkv_reference, silu_mul_refere
 from .reference import tree_attention_reference
 
 __all__ = ["Capacity", "Needs", "RequestView", "Staging", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "rotary_qkv",
-           "rotary_qkv_reference", "silu_mul", "silu_mul_reference", "tree_attention",
+           "rotary_qkv_reference", "rotary_qkv_store", "silu_mul", "silu_mul_reference", "tree_attention",
            "tree_attention_reference"]
 
 BACKENDS = ("auto", "triton", "reference")
@@ -64,6 +64,20 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads:
         from .fused_triton import rotary_qkv_triton
         return rotary_qkv_triton(qkv, cos, sin, n_heads, n_kv_heads)
     return rotary_qkv_reference(qkv, cos, sin, n_heads, n_kv_heads)
+
+
+def rotary_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch) -> torch.Tensor:
+    """`rotary_qkv`, with k and v stored into one layer's pool k_cache, v_cache [n_blocks, block_size,
+    Hkv, D] at the batch's write slots, as `TreeBatch.write` stores them, rather than returned: on the
+    GPU one kernel, not three. Returns q [N, Hq, D]."""
+    if backend(qkv.device, "SPECINFER_FUSED") == "triton":
+        from .fused_triton import rotary_qkv_triton
+        return rotary_qkv_triton(qkv, cos, sin, n_heads, n_kv_heads, k_cache.view(-1, *k_cache.shape[2:]),
+                                 v_cache.view(-1, *v_cache.shape[2:]), batch.write_slots())[0]
+    q, k, v = rotary_qkv_reference(qkv, cos, sin, n_heads, n_kv_heads)
+    batch.write(k_cache, v_cache, k, v)
+    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -404,6 +404,11 @@ class TreeBatch:
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the queries' own keys and values: k, v [N, Hkv, D] into one layer's pool
         k_cache, v_cache [n_blocks, block_size, Hkv, D] (contiguous)."""
-        slots = self.derived("write_slots", lambda: self.write_blocks.long() * self.block_size + self.write_offsets)
+        slots = self.write_slots()
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    def write_slots(self) -> torch.Tensor:
+        """[N] int64: the slot of a layer's pool, viewed as [n_blocks * block_size, Hkv, D], that each
+        query's own key and value go to."""
+        return self.derived("write_slots", lambda: self.write_blocks.long() * self.block_size + self.write_offsets)

@@ -56,13 +56,17 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
 
 
 @triton.jit
-def _rotary_qkv_kernel(QKV, COS, SIN, Q, K, V,
+def _rotary_qkv_kernel(QKV, COS, SIN, Q, K, V, ROWS,
                        stride_xn, stride_cn, stride_sn, stride_qn, stride_kn, stride_vn,
                        HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """BLOCK_H heads of one token per program: q and k heads rotated, v heads copied, each stored
-    to its own [N, heads, HEAD_DIM] output."""
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """BLOCK_H heads of one token per program: q and k heads rotated, v heads copied; q stored to
+    row n of Q, k and v to row ROWS[n] of K and V (HAS_ROWS: a KV pool's slots), else row n."""
     n = tl.program_id(0).to(tl.int64)
+    if HAS_ROWS:
+        kv_row = tl.load(ROWS + n)
+    else:
+        kv_row = n
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]  # head in the fused row
     d = tl.arange(0, BLOCK_D)[None, :]
     HALF = HEAD_DIM // 2
@@ -76,31 +80,40 @@ def _rotary_qkv_kernel(QKV, COS, SIN, Q, K, V,
     rotated = x * cos + tl.where(d < HALF, -partner, partner) * sin  # rotate(): cat(-x2, x1)
     out = tl.where(h < HQ + HKV, rotated, x).to(Q.dtype.element_ty)
     tl.store(Q + n * stride_qn + h * HEAD_DIM + d, out, mask=ok & (h < HQ))
-    tl.store(K + n * stride_kn + (h - HQ) * HEAD_DIM + d, out, mask=ok & (h >= HQ) & (h < HQ + HKV))
-    tl.store(V + n * stride_vn + (h - HQ - HKV) * HEAD_DIM + d, out, mask=ok & (h >= HQ + HKV))
+    tl.store(K + kv_row * stride_kn + (h - HQ) * HEAD_DIM + d, out, mask=ok & (h >= HQ) & (h < HQ + HKV))
+    tl.store(V + kv_row * stride_vn + (h - HQ - HKV) * HEAD_DIM + d, out, mask=ok & (h >= HQ + HKV))
 
 
 
 
-def rotary_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                      n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as `rotary_qkv_reference`, but q, k and v are new contiguous tensors."""
+def rotary_qkv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                      k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `rotary_qkv_reference`, but q, k and v are new contiguous tensors; or, given
+    k, v [M, Hkv, D] (a KV pool's slots) and rows [N] (int64), token n's k and v are stored to row
+    rows[n] of those, which are returned."""
     n, d = qkv.shape[0], cos.shape[-1]
     heads = n_heads + 2 * n_kv_heads
     assert qkv.shape == (n, heads * d) and d % 2 == 0 and qkv.stride(1) == 1
     assert cos.shape == sin.shape == (n, 1, d) and cos.stride(2) == sin.stride(2) == 1
     assert cos.dtype == sin.dtype == qkv.dtype
     q = torch.empty((n, n_heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((n, n_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty((n, n_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if rows is None:
+        k = torch.empty((n, n_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty((n, n_kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    else:
+        assert rows.shape == (n,) and rows.dtype == torch.int64
+        for t in (k, v):
+            assert t.shape[1:] == (n_kv_heads, d) and t.stride(1) == d and t.stride(2) == 1 and t.dtype == qkv.dtype
     if n == 0:
         return q, k, v
     block_d = triton.next_power_of_2(d)
     block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))  # tiles of at most 4096 elements
     _rotary_qkv_kernel[(n, -(-heads // block_h))](
-        qkv, cos, sin, q, k, v,
+        qkv, cos, sin, q, k, v, q if rows is None else rows,  # (an unread stand-in without rows)
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), v.stride(0),
-        HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        HQ=n_heads, HKV=n_kv_heads, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, HAS_ROWS=rows is not None,
+        num_warps=4,
     )
     return q, k, v
 

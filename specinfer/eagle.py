@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specinfer_kernels import rotary_qkv, silu_mul, tree_attention
+from specinfer_kernels import rotary_qkv, rotary_qkv_store, silu_mul, tree_attention
 
 from .checkpoints import checkpoint_dir
 from .model import Dense, LlamaModel, ModelConfig, RMSNorm, Step, read_weights, rope_inv_freq, rotary
@@ -105,17 +105,16 @@ class EagleLayer(nn.Module):
 
     def forward(self, e: torch.Tensor, hidden: torch.Tensor, cos, sin, step: Step) -> torch.Tensor:
         """e, hidden [N, H]: the tokens' embeddings and the hidden vectors. Returns [N, H]."""
-        q, k, v, residual = self.project(e, hidden, cos, sin)
-        step.batch.write(step.pool.k[0], step.pool.v[0], k, v)
-        return self.finish(tree_attention(q, step.pool.k[0], step.pool.v[0], step.batch), residual)
+        qkv, residual = self.project(e, hidden)
+        m, pool = self.cfg.model, step.pool
+        q = rotary_qkv_store(qkv, cos, sin, m.num_heads, m.num_kv_heads, pool.k[0], pool.v[0], step.batch)
+        return self.finish(tree_attention(q, pool.k[0], pool.v[0], step.batch), residual)
 
-    def project(self, e, hidden, cos, sin) -> tuple[torch.Tensor, ...]:
-        """q [N, Hq, D], k, v [N, Hkv, D] (rotated) and the residual [N, H]."""
-        m = self.cfg.model
+    def project(self, e, hidden) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused QKV projection [N, (Hq + 2 Hkv) D], not yet rotated, and the residual [N, H]."""
         h = self.hidden_norm(hidden)[0]
         residual = h if self.cfg.norm_before_residual else hidden
-        q, k, v = rotary_qkv(self.qkv(torch.cat([self.input_norm(e)[0], h], -1)), cos, sin, m.num_heads, m.num_kv_heads)
-        return q, k, v, residual
+        return self.qkv(torch.cat([self.input_norm(e)[0], h], -1)), residual
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attended [N, Hq, D] through the output projection and the MLP."""
@@ -218,7 +217,8 @@ class EagleHead(LlamaModel):
         for k in range(steps):
             ids = tokens[:, (root + 1 + k).clamp(max=T - 1)]  # [B, n]
             cos, sin = rotary((root + k).repeat(B), self.inv_freq, self.dtype)
-            q, key, value, residual = layer.project(self.embed(ids.reshape(-1)), hidden, cos, sin)
+            qkv, residual = layer.project(self.embed(ids.reshape(-1)), hidden)
+            q, key, value = rotary_qkv(qkv, cos, sin, m.num_heads, m.num_kv_heads)
             shape = lambda x: x.view(B, n, x.shape[1], m.head_dim)
             q, key, value = shape(q), shape(key), shape(value)
             past_k.append(key)

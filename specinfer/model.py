@@ -33,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
-from specinfer_kernels import (Capacity, Needs, Staging, TreeBatch, add_rms_norm, rotary_qkv, silu_mul,
+from specinfer_kernels import (Capacity, Needs, Staging, TreeBatch, add_rms_norm, rotary_qkv_store, silu_mul,
                                tree_attention)
 from specinfer_kernels.batch import SCALARS, Shapes
 
@@ -207,7 +207,8 @@ class RMSNorm(nn.Module):
 class Block(nn.Module):
     """One decoder layer with fused QKV and gate/up projections. The residual stream is carried
     beside the layer's output and added inside the next norm, so a layer is four GEMMs, one
-    attention call and four fused elementwise kernels (add + norm twice, rotary + split, SiLU * up)."""
+    attention call and four fused elementwise kernels (add + norm twice, rotary + split + the K/V
+    store into the pool, SiLU * up)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -226,8 +227,7 @@ class Block(nn.Module):
         the first layer). Returns this layer's output and the residual stream, likewise."""
         cfg = self.cfg
         h, residual = self.input_norm(x, residual)
-        q, k, v = rotary_qkv(self.qkv(h), cos, sin, cfg.num_heads, cfg.num_kv_heads)  # [N, Hq | Hkv | Hkv, D]
-        batch.write(pool.k[layer], pool.v[layer], k, v)
+        q = rotary_qkv_store(self.qkv(h), cos, sin, cfg.num_heads, cfg.num_kv_heads, pool.k[layer], pool.v[layer], batch)
         out = tree_attention(q, pool.k[layer], pool.v[layer], batch)
         h, residual = self.post_norm(self.o(out.view(x.shape[0], -1)), residual)
         return self.down(silu_mul(self.gate_up(h))), residual

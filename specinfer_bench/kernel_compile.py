@@ -252,9 +252,12 @@ def fused_calls(shapes: Shapes, dtype) -> dict:
     x, weight = torch.zeros(n, shapes.hidden, dtype=dtype), torch.zeros(shapes.hidden, dtype=dtype)
     cos = torch.zeros(n, 1, shapes.d, dtype=dtype)
     qkv, gate_up = torch.zeros(n, heads * shapes.d, dtype=dtype), torch.zeros(n, 2 * shapes.intermediate, dtype=dtype)
+    pool = torch.zeros(64, shapes.hkv, shapes.d, dtype=dtype)  # a layer's KV pool, its slots flat
     return {"add_rms_norm": lambda: add_rms_norm_triton(x, x, weight, 1e-5),
             "rms_norm": lambda: add_rms_norm_triton(x, None, weight, 1e-5),
             "rotary_qkv": lambda: rotary_qkv_triton(qkv, cos, cos, shapes.hq, shapes.hkv),
+            "rotary_qkv_store": lambda: rotary_qkv_triton(qkv, cos, cos, shapes.hq, shapes.hkv, pool, pool,
+                                                          torch.zeros(n, dtype=torch.int64)),
             "silu_mul": lambda: silu_mul_triton(gate_up)}
 
 

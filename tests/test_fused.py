@@ -21,10 +21,11 @@ from specinfer_kernels import (
     backend,
     rotary_qkv,
     rotary_qkv_reference,
+    rotary_qkv_store,
     silu_mul,
     silu_mul_reference,
 )
-from specinfer_kernels import fused_triton
+from specinfer_kernels import RequestView, TreeBatch, fused_triton
 from specinfer_kernels.fused_triton import (
     add_rms_norm_triton,
     rotary_qkv_triton,
@@ -110,6 +111,34 @@ def test_rotary_qkv_kernel_equals_reference(n, hq, hkv, d, dtype):
     assert_close(q, ref_q)
     assert_close(k, ref_k)
     assert torch.equal(v, ref_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d", HEAD_LAYOUTS)
+def test_rotary_qkv_store_kernel_writes_k_and_v_to_the_write_slots_the_reference_writes(hq, hkv, d, dtype, monkeypatch):
+    """The kernel that stores k and v straight into the pool (one launch for rotary and the two index
+    copies) leaves the pool as the reference and `TreeBatch.write` leave it, slot for slot, in pages
+    scattered over the pool, and every slot it should not write untouched."""
+    bs = 4
+    views = [RequestView([5, 2], 3, 2, 5, [], 0),  # two committed tokens across a page boundary
+             RequestView([0, 7, 3], 9, 0, 9, [-1, 0, 0], 3)]  # a three-node tree in its last page
+    batch = TreeBatch.build(views, bs, DEVICE)
+    n = sum(v.n_queries for v in views)
+    qkv = randn(n, (hq + 2 * hkv) * d, dtype=dtype, seed=hq)
+    cos, sin = rotary_angles(n, d, dtype, seed=d)
+    pools = {}
+    for choice in ("triton", "reference"):
+        monkeypatch.setenv("SPECINFER_FUSED", choice)
+        k_cache, v_cache = (randn(8, bs, hkv, d, dtype=dtype, seed=s) for s in (1, 2))
+        pools[choice] = (rotary_qkv_store(qkv, cos, sin, hq, hkv, k_cache, v_cache, batch.renew()), k_cache, v_cache)
+    (q, k, v), (ref_q, ref_k, ref_v) = pools["triton"], pools["reference"]
+    written = torch.zeros(8 * bs, dtype=torch.bool)
+    written[batch.write_slots().cpu()] = True
+    assert int(written.sum()) == n
+    assert_close(q, ref_q)
+    assert_close(k.view(8 * bs, hkv, d)[written.to(DEVICE)], ref_k.view(8 * bs, hkv, d)[written.to(DEVICE)])
+    assert torch.equal(v, ref_v) and torch.equal(k.view(8 * bs, hkv, d)[~written.to(DEVICE)],
+                                                 ref_k.view(8 * bs, hkv, d)[~written.to(DEVICE)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
