@@ -33,6 +33,29 @@ from specinfer_rpc.v1 import (
 log = logging.getLogger("specinfer.manager")
 
 
+def verify_request(namespace: str, batch: list[Check], release: list[str]) -> verifier_pb2.VerifyRequest:
+    """One step's message: each request's check under the manager's `namespace`, and the requests to free."""
+    return verifier_pb2.VerifyRequest(
+        release=[namespace + rid for rid in release],
+        items=[verifier_pb2.VerifyItem(request_id=namespace + c.request_id, new_token_ids=c.new_tokens,
+                                       record_length=c.record_length, tree=tree_to_pb(c.tree),
+                                       sampling=sampling_to_pb(c.sampling), return_features=c.features,
+                                       return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
+                                       return_prompt_logprobs=c.prompt_logprobs,
+                                       allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only,
+                                       output_start=c.output_start, stop_token_ids=c.stop_ids)
+               for c in batch])
+
+
+def verified(batch: list[Check], response: verifier_pb2.VerifyResponse) -> list[Verified]:
+    """Each request's answer; features and logprobs stay protobuf (FeatureRows, TokenLogprob): the
+    manager hands them on as they came."""
+    return [Verified(list(r.token_ids), r.features if r.HasField("features") else None,
+                     r.logprobs if c.logprobs else None, r.prompt_logprobs if c.prompt_logprobs else None,
+                     r.cached_tokens)
+            for c, r in zip(batch, response.results)]
+
+
 class VerifierClient:
     """Request ids on the verifier are this manager's own (a random prefix), so several managers
     can share one verifier even when their clients choose the same ids. Steps go over one
@@ -57,16 +80,7 @@ class VerifierClient:
     async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[Verified], int]:
         """Each request's answer and the verifier's step time in ns; features and logprobs stay
         protobuf (FeatureRows, TokenLogprob): the manager hands them on as they came."""
-        request = verifier_pb2.VerifyRequest(
-            release=[self.namespace + rid for rid in release],
-            items=[verifier_pb2.VerifyItem(request_id=self.namespace + c.request_id, new_token_ids=c.new_tokens,
-                                           record_length=c.record_length, tree=tree_to_pb(c.tree),
-                                           sampling=sampling_to_pb(c.sampling), return_features=c.features,
-                                           return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
-                                           return_prompt_logprobs=c.prompt_logprobs,
-                                           allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only,
-                                           output_start=c.output_start, stop_token_ids=c.stop_ids)
-                   for c in batch])
+        request = verify_request(self.namespace, batch, release)
         if self.steps is None or self.steps.done():
             await self._connected()
             self.steps = self.stub.VerifyStream()
@@ -88,11 +102,7 @@ class VerifierClient:
         except (asyncio.InvalidStateError, ConnectionError) as e:  # the stream ended before or without an answer
             self._drop(steps)
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
-        return ([Verified(list(r.token_ids), r.features if r.HasField("features") else None,
-                          r.logprobs if c.logprobs else None,
-                          r.prompt_logprobs if c.prompt_logprobs else None, r.cached_tokens)
-                 for c, r in zip(batch, response.results)],
-                response.step_ns)
+        return verified(batch, response), response.step_ns
 
     def _drop(self, steps) -> None:
         steps.cancel()

@@ -18,6 +18,7 @@ This module knows nothing about models or tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import lt
 
 
 @dataclass
@@ -40,9 +41,10 @@ class TokenTree:
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
             raise ValueError("tree: tokens and parents differ in length")
-        for u, p in enumerate(self.parents):
-            if not -1 <= p < u:
-                raise ValueError(f"tree: node {u} has parent {p}; parents must precede children")
+        # every tree a server reads passes here: the check runs in C (map), the loop only names the node
+        if self.parents and (min(self.parents) < -1 or not all(map(lt, self.parents, range(len(self.parents))))):
+            u, p = next((u, p) for u, p in enumerate(self.parents) if not -1 <= p < u)
+            raise ValueError(f"tree: node {u} has parent {p}; parents must precede children")
 
     def __len__(self) -> int:
         return len(self.tokens)

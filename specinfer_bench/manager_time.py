@@ -1,8 +1,9 @@
 """Where the manager's own time per iteration goes, apart from its RPCs: the engine's iteration
 (plan, the cost-model controller, merge, commit) over stand-in drafters and a verifier that answer
-at once, with and without the controller, and the protobuf a Verify call builds and serializes.
+at once, with and without the controller, and the protobuf work of a Verify step on both sides.
 `specinfer_bench.services` reports the whole overhead (the iteration minus the verifier's and the
-speculators' own time); what these leave of it is the RPC hops and the streams to the clients.
+speculators' own time: the verifier's parsing and answering count in it, since its step time is the
+model's); what these leave of it is the RPC transport and the streams to the clients.
 
     python -m specinfer_bench.manager_time --out bench/results/manager_time_cpu
 """
@@ -15,17 +16,20 @@ import statistics
 import time
 from pathlib import Path
 
+from specinfer.acceptance import Verdict
 from specinfer.controller import SpeculationController
 from specinfer.engine import Check, Request, Sequence, SpeculativeEngine, Verified
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
-from specinfer_rpc.convert import sampling_to_pb, tree_to_pb
 from specinfer_rpc.v1 import verifier_pb2
+from manager_svc.clients import verified, verify_request
+from verifier_svc.servicer import verify_requests, verify_response
 
 from .report import command_line, machine
 
 
 TREE = TokenTree([5, 6, 7, 8], [-1, -1, 0, 2])
+TREE16 = TokenTree(list(range(100, 116)), [-1, -1, 0, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
 
 
 class InstantVerifier:
@@ -75,14 +79,24 @@ def iteration_us(batch: int, controller: bool, repeats: int) -> float:
         loop.close()
 
 
-def verify_message_us(batch: int, repeats: int) -> float:
-    checks = [Check(str(i), [7], 400, TREE, SamplingParams()) for i in range(batch)]
+def verify_hop_us(batch: int, repeats: int) -> tuple[float, float]:
+    """The protobuf work of one Verify step, on each side: the manager's (build and serialize the
+    message, read the answer) and the verifier's (parse and check the message, build and serialize
+    the answer), with the services' own functions; 16-node trees, requests at temperature 0.8."""
+    checks = [Check(str(i), [7], 400, TREE16, SamplingParams(0.8, seed=i)) for i in range(batch)]
+    wire = verify_request("ns/", checks, []).SerializeToString()
+    verdicts = [Verdict([0, 1], [5, 6, 9]) for _ in checks]
+    answer = verify_response(verify_requests(verifier_pb2.VerifyRequest.FromString(wire), 50000), verdicts,
+                             1000).SerializeToString()
 
-    def build():
-        verifier_pb2.VerifyRequest(items=[verifier_pb2.VerifyItem(
-            request_id="ns/" + c.request_id, new_token_ids=c.new_tokens, record_length=c.record_length,
-            tree=tree_to_pb(c.tree), sampling=sampling_to_pb(c.sampling)) for c in checks]).SerializeToString()
-    return median_us(build, repeats)
+    def manager():
+        verify_request("ns/", checks, []).SerializeToString()
+        verified(checks, verifier_pb2.VerifyResponse.FromString(answer))
+
+    def verifier():
+        requests = verify_requests(verifier_pb2.VerifyRequest.FromString(wire), 50000)
+        verify_response(requests, verdicts, 1000).SerializeToString()
+    return median_us(manager, repeats), median_us(verifier, repeats)
 
 
 def main() -> None:
@@ -94,11 +108,14 @@ def main() -> None:
     lines = [f"# The manager's own time per iteration, without its RPCs ({machine()})", "",
              f"`{command_line('python -m specinfer_bench.manager_time', None)}`", "",
              "Medians of the engine's iteration over stand-ins that answer at once (2,1,1 within a 16-node "
-             "budget, context lookup, 100-token records) and of building and serializing the Verify message.", "",
-             "| batch | iteration with the controller us | without it us | Verify message us |", "| --- | --- | --- | --- |"]
+             "budget, context lookup, 100-token records) and of a Verify step's protobuf work on each side "
+             "(16-node trees, sampled requests; `verify_hop_us`).", "",
+             "| batch | iteration with the controller us | without it us | Verify hop's protobuf, manager us | verifier us |",
+             "| --- | --- | --- | --- | --- |"]
     for b in [int(x) for x in args.batches.split(",")]:
+        manager, verifier = verify_hop_us(b, args.repeats)
         lines.append(f"| {b} | {iteration_us(b, True, args.repeats):.0f} | {iteration_us(b, False, args.repeats):.0f} "
-                     f"| {verify_message_us(b, args.repeats):.0f} |")
+                     f"| {manager:.0f} | {verifier:.0f} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,8 @@ manager and the gateway run without it); those only the model services make are 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from specinfer.grammar import GrammarSpec
@@ -13,7 +15,25 @@ from specinfer.tree import DraftGroup, TokenTree, check_groups
 from .v1 import common_pb2, generation_pb2, verifier_pb2
 
 
+# Servers read a request's sampling parameters in every step, and clients send the same few settings
+# over and over: each distinct small setting is converted and validated once, and the result shared
+# (frozen). A setting with long token lists (logit_bias, allowed_token_ids) is converted every time,
+# so that no cache holds large keys.
+MEMO_TOKENS = 64  # a setting with more listed tokens than this is not memoized
+
+
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    if len(pb.logit_bias) + len(pb.allowed_token_ids) > MEMO_TOKENS:
+        return _sampling(pb)
+    return _sampling_of(pb.SerializeToString(deterministic=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _sampling_of(data: bytes) -> SamplingParams:
+    return _sampling(common_pb2.SamplingParams.FromString(data))
+
+
+def _sampling(pb: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(pb.temperature, pb.top_k, pb.top_p if pb.HasField("top_p") else 1.0, min_p=pb.min_p,
                           seed=pb.seed, mss=pb.mss, presence_penalty=pb.presence_penalty,
                           frequency_penalty=pb.frequency_penalty,
@@ -22,7 +42,34 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
                           allowed_token_ids=tuple(sorted(set(pb.allowed_token_ids))))
 
 
+def validated(s: SamplingParams) -> SamplingParams:
+    """s, once `s.validate()` has passed (ValueError naming the field otherwise)."""
+    if len(s.logit_bias) + len(s.allowed_token_ids) > MEMO_TOKENS:
+        s.validate()
+        return s
+    return _validated(s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _validated(s: SamplingParams) -> SamplingParams:  # a ValueError is raised again each time: nothing is kept
+    s.validate()
+    return s
+
+
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
+    """The message for s. A memoized one is shared: pass it on into a message (which copies it), never
+    change it."""
+    if len(s.logit_bias) + len(s.allowed_token_ids) > MEMO_TOKENS:
+        return _sampling_pb(s)
+    return _sampling_pb_of(s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sampling_pb_of(s: SamplingParams) -> common_pb2.SamplingParams:
+    return _sampling_pb(s)
+
+
+def _sampling_pb(s: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                      seed=s.seed, mss=s.mss,
                                      presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,

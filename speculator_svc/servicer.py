@@ -15,7 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree, merge, validate_expansion
-from specinfer_rpc.convert import sampling_from_pb, tree_to_pb
+from specinfer_rpc.convert import sampling_from_pb, tree_to_pb, validated
 from specinfer_rpc.model_convert import features_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
@@ -57,8 +57,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
 
     def _draft_request(self, prefix: str, u: speculator_pb2.DraftUpdate) -> DraftRequest:
         validate_expansion(list(u.expansion))
-        sampling = sampling_from_pb(u.sampling)
-        sampling.validate()
+        sampling = validated(sampling_from_pb(u.sampling))
         features = [features_from_pb(f, f"features (request {u.request_id})") for f in u.features]
         return DraftRequest(prefix + u.request_id, list(u.new_token_ids), list(u.expansion), sampling,
                             u.replacement, u.drafter, features)

@@ -15,8 +15,9 @@ import time
 import grpc
 from prometheus_client import Gauge, Histogram
 
+from specinfer.acceptance import Verdict
 from specinfer.verifier import Verifier, VerifyRequest
-from specinfer_rpc.convert import allowed_from_pb, sampling_from_pb, tree_from_pb
+from specinfer_rpc.convert import allowed_from_pb, sampling_from_pb, tree_from_pb, validated
 from specinfer_rpc.model_convert import features_to_pb, logprobs_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
@@ -37,6 +38,32 @@ PREFIX_QUERIED = Gauge("specinfer_prefix_cache_queried_tokens", "new requests' t
                        "(hit rate = specinfer_prefix_cache_hit_tokens / this)")
 PREFIX_HITS = Gauge("specinfer_prefix_cache_hit_tokens", "of those, the tokens whose KV entries were found there")
 KV_TOTAL = Gauge("specinfer_kv_cache_tokens", "token slots in the paged KV cache pool")
+
+
+def verify_requests(request: verifier_pb2.VerifyRequest, vocab_size: int) -> list[VerifyRequest]:
+    """A step message's items as the verifier takes them; ValueError naming the field that is wrong."""
+    batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
+                           validated(sampling_from_pb(item.sampling)), item.return_features,
+                           item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
+                           allowed_from_pb(item.allowed, vocab_size, f"allowed (request {item.request_id})")
+                           if item.HasField("allowed") else None, item.prefill_only, item.output_start,
+                           tuple(item.stop_token_ids))
+             for item in request.items]
+    if len({req.request_id for req in batch}) != len(batch):
+        raise ValueError("items: request ids must be unique within a batch")
+    return batch
+
+
+def verify_response(batch: list[VerifyRequest], verdicts: list[Verdict], step_ns: int) -> verifier_pb2.VerifyResponse:
+    """The step's answer: each request's verdict, and the step's own time."""
+    return verifier_pb2.VerifyResponse(
+        results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens,
+                                           features=features_to_pb(v.features) if v.features else None,
+                                           logprobs=logprobs_to_pb(v.logprobs or []),
+                                           prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []),
+                                           cached_tokens=v.cached_tokens)
+                 for r, v in zip(batch, verdicts)],
+        step_ns=step_ns)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -71,33 +98,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             yield await self._verify(request)
 
     async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
-        vocab = self.verifier.model.cfg.vocab_size
-        batch = [VerifyRequest(item.request_id, list(item.new_token_ids), tree_from_pb(item.tree),
-                               sampling_from_pb(item.sampling), item.return_features,
-                               item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
-                               allowed_from_pb(item.allowed, vocab, f"allowed (request {item.request_id})")
-                               if item.HasField("allowed") else None, item.prefill_only, item.output_start,
-                               tuple(item.stop_token_ids))
-                 for item in request.items]
-        for req in batch:
-            req.sampling.validate()
-        ids = [req.request_id for req in batch]
-        if len(set(ids)) != len(ids):
-            raise ValueError("items: request ids must be unique within a batch")
+        batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
         lengths = [item.record_length for item in request.items]
         start = time.perf_counter_ns()
         verdicts = await self._on_worker(self._step, list(request.release), batch, lengths)
         step_ns = time.perf_counter_ns() - start
         STEP_SECONDS.observe(step_ns / 1e9)
         STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
-        return verifier_pb2.VerifyResponse(
-            results=[verifier_pb2.VerifyResult(request_id=r.request_id, token_ids=v.tokens,
-                                               features=features_to_pb(v.features) if v.features else None,
-                                               logprobs=logprobs_to_pb(v.logprobs or []),
-                                               prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []),
-                                               cached_tokens=v.cached_tokens)
-                     for r, v in zip(batch, verdicts)],
-            step_ns=step_ns)
+        return verify_response(batch, verdicts, step_ns)
 
     def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
         now = time.monotonic()
