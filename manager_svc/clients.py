@@ -229,9 +229,10 @@ class SpeculatorClient:
                 return {}
         self.iteration += 1
         request = speculator_pb2.SpeculateRequest(iteration=self.iteration, release=sorted(self.to_release))
+        lengths = {d.request_id: len(d.record) for d in drafts}  # what the speculator will have been told
         for d in drafts:
             request.updates.append(speculator_pb2.DraftUpdate(
-                request_id=d.request_id, new_token_ids=d.record[self.told.get(d.request_id, 0):],
+                request_id=d.request_id, new_token_ids=d.record.tail(self.told.get(d.request_id, 0)),
                 expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter,
                 features=d.features if self.feature_layers else ()))
         try:
@@ -246,9 +247,9 @@ class SpeculatorClient:
             self._broken(e)
             return {}
         self.to_release.difference_update(request.release)
-        for d in drafts:
-            if d.request_id not in self.to_release:  # not released while this exchange ran
-                self.told[d.request_id] = len(d.record)
+        for rid, length in lengths.items():
+            if rid not in self.to_release:  # not released while this exchange ran
+                self.told[rid] = length
         self.draft_ns = response.draft_ns
         return trees
 

@@ -61,7 +61,7 @@ class LocalDrafter:
 
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         start = time.perf_counter_ns()
-        batch = [DraftRequest(d.request_id, d.record[self.told.get(d.request_id, 0):], d.expansion, d.sampling,
+        batch = [DraftRequest(d.request_id, d.record.tail(self.told.get(d.request_id, 0)), d.expansion, d.sampling,
                               self.replacement, self.drafter, d.features) for d in drafts]
         trees = self.speculator.draft(batch)
         for d in drafts:

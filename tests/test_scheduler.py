@@ -13,7 +13,7 @@ import pytest
 
 from manager_svc.scheduler import Scheduler, SlowReader, Stream
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
-from specinfer.engine import Request, SpeculativeEngine, Verified
+from specinfer.engine import Record, Request, SpeculativeEngine, Verified
 from specinfer.tree import TokenTree
 
 PERIOD = 5
@@ -295,3 +295,12 @@ def test_a_short_request_takes_a_turn_from_long_ones_and_priority_goes_first():
     assert short_ends(turn_tokens=8) == (10 + 3, 1)  # at once: its 4 tokens in 4 steps
     assert short_ends(turn_tokens=0, priority=-1) == (10 + 3, 1)
     assert short_ends(turn_tokens=0, priority=1) == (40 + 3, 0)
+
+
+def test_a_drafts_record_is_the_prompt_then_the_generated_tokens_read_from_any_point():
+    """What a drafter is told is a tail of the record (`Record.tail`), never the record joined whole."""
+    prompt, generated = [5, 6, 7], [8, 9]
+    record = Record(prompt, generated)
+    assert len(record) == 5 and all(record.tail(i) == (prompt + generated)[i:] for i in range(7))
+    generated.append(10)  # a view of the request's own lists: a committed token is in it
+    assert len(record) == 6 and record.tail(4) == [9, 10]
