@@ -74,7 +74,8 @@ class Fit:
     rebuilding the window's arrays (this runs every iteration, on the engine's event loop).
 
     Robust to stalls: once `settled` samples are in, a sample is taken at most `clip` times what the
-    fit predicts for it. A step that a noisy neighbour or a page fault stalled ten times over then
+    fit predicts for it (the fit as solved at most `refresh` samples before: solving for every sample
+    cost more than the rest of the fit). A step that a noisy neighbour or a page fault stalled ten times over then
     moves the fit no more than a step twice as slow would, while the drift of a machine's speed (up
     to 2x) comes through whole, and a larger lasting change at twice the prediction a sample. In a
     simulation with 5% of steps stalled 10x the choices' rate fell to 87% of the best choice's
@@ -82,35 +83,50 @@ class Fit:
 
     window: int = 256
     samples: deque = field(default_factory=deque)
-    coef: list[float] | None = None  # solved from the sums when first asked after a change
-    xtx: np.ndarray | None = None  # sum of x x' over the window
-    xty: np.ndarray | None = None  # sum of x y over the window
+    coef: list[float] | None = None  # solved from the sums (`_solve`), when asked after a change
+    xtx: list[list[float]] | None = None  # sum of x x' over the window (plain floats: a handful of features,
+    xty: list[float] | None = None  # sum of x y over the window      an update per iteration, numpy's calls cost more)
     clip: float = 2.0
     settled: int = 16
+    refresh: int = 8  # a sample is clipped against coefficients solved at most this many samples before it
+    since: int = 0  # samples added since the coefficients were solved
 
     def add(self, x: list[float], y: float) -> None:
-        v = np.asarray(x, dtype=float)
         if len(self.samples) >= self.settled:
-            y = min(y, self.clip * max(self(x), 1e-9))
+            if self.coef is None or self.since >= self.refresh:
+                self._solve()
+            y = min(y, self.clip * max(self._predict(x), 1e-9))
         if self.xtx is None:
-            self.xtx, self.xty = np.zeros((len(v), len(v))), np.zeros(len(v))
-        self.samples.append((v, y))
-        self.xtx += np.outer(v, v)
-        self.xty += v * y
+            self.xtx, self.xty = [[0.0] * len(x) for _ in x], [0.0] * len(x)
+        self.samples.append((x, y))
+        self._update(x, y, 1.0)
         if len(self.samples) > self.window:
-            old, old_y = self.samples.popleft()
-            self.xtx -= np.outer(old, old)
-            self.xty -= old * old_y
-        self.coef = None
+            self._update(*self.samples.popleft(), -1.0)
+        self.since += 1
+
+    def _update(self, x: list[float], y: float, sign: float) -> None:
+        """The sums plus (sign 1) or minus (-1) one sample's."""
+        for row, xi in zip(self.xtx, x):
+            w = sign * xi
+            for j, xj in enumerate(x):
+                row[j] += w * xj
+        for i, xi in enumerate(x):
+            self.xty[i] += sign * xi * y
 
     def __call__(self, x: list[float]) -> float:
         if not self.samples:
             return 0.0
-        if self.coef is None:
-            ridge = 1e-6 * max(1.0, float(np.trace(self.xtx)) / len(self.samples))
-            a = self.xtx.copy()
-            a.flat[:: len(a) + 1] += ridge
-            self.coef = np.linalg.solve(a, self.xty).tolist()
+        if self.coef is None or self.since:
+            self._solve()
+        return self._predict(x)
+
+    def _solve(self) -> None:
+        a = np.array(self.xtx)
+        ridge = 1e-6 * max(1.0, float(np.trace(a)) / len(self.samples))
+        a.flat[:: len(a) + 1] += ridge
+        self.coef, self.since = np.linalg.solve(a, self.xty).tolist(), 0
+
+    def _predict(self, x: list[float]) -> float:
         # a handful of features, a dozen predictions an iteration: plain floats, not numpy calls
         return max(0.0, sum(c * v for c, v in zip(self.coef, x)))
 
@@ -211,12 +227,17 @@ class Share:
         self.seen = self.seen * self.forget + len(outcomes)
 
 
+REWEIGH = 8  # iterations a batch size keeps the model's choice before weighing the choices' rates again
+
+
 @dataclass
 class Looks:
     """A batch size's schedule of looks at a neighbouring choice."""
 
     iterations: int = 0  # iterations planned at this batch size
     best: Choice | None = None  # the choice the model made last
+    weighed: int = -REWEIGH  # the iteration it was made at (the choices' rates weighed)
+    trees: list[int] | None = None  # the full trees it was made for
     gap: int = 0  # iterations between looks now
     next_look: int = 0  # the iteration of the next look
     count: int = 0  # looks so far (taking the neighbours in turn)
@@ -322,12 +343,16 @@ class SpeculationController:
         for c in options:  # measure every choice a couple of times first, after its warm-up
             if self.seen.get(c, 0) < WARMUP + 2:
                 return c
-        rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
-        best = max(range(len(options)), key=rates.__getitem__)
-        if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
-            best = 0
         look = self.looks.setdefault(batch_size, Looks())
         look.iterations += 1
+        if look.iterations - look.weighed < REWEIGH and look.trees == full_trees:
+            best = options.index(look.best)  # the rates move little from one iteration to the next
+        else:
+            rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
+            best = max(range(len(options)), key=rates.__getitem__)
+            if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
+                best = 0
+            look.weighed, look.trees = look.iterations, full_trees
         if look.best != options[best]:  # the choice moved: look around often again
             look.best, look.gap, look.next_look = options[best], self.explore, look.iterations + self.explore
         elif look.iterations >= look.next_look:  # a neighbour, each in turn
