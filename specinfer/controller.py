@@ -32,9 +32,10 @@ go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for l
 - Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
-A batch size's choice is weighed again every REWEIGH (8) of its iterations, not at every one: the
-rates move little from one iteration to the next, and weighing them every time was most of the
-controller's cost (154 of the manager's 254 us an iteration at one request on a CPU).
+A batch size's choice is weighed again every REWEIGH (8) of its iterations while it holds, not at
+every one (weighing every time was most of the controller's cost: 154 of the manager's 254 us an
+iteration at one request on a CPU), and at the next iteration after it moved, so that a move one odd
+step caused is undone as soon as before.
 
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
 the model does not see decide (a speculator that sat out plain steps catches up on their tokens first;
@@ -356,7 +357,10 @@ class SpeculationController:
             best = max(range(len(options)), key=rates.__getitem__)
             if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
                 best = 0
-            look.weighed, look.trees = look.iterations, full_trees
+            # a choice that moved is weighed again at the next iteration, so that one odd step (a stall)
+            # moves it for one iteration, as when every iteration was weighed, not for REWEIGH
+            moved = look.best is not None and look.best != options[best]
+            look.weighed, look.trees = look.iterations - (REWEIGH if moved else 0), full_trees
         if look.best != options[best]:  # the choice moved: look around often again
             look.best, look.gap, look.next_look = options[best], self.explore, look.iterations + self.explore
         elif look.iterations >= look.next_look:  # a neighbour, each in turn

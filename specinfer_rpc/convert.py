@@ -17,13 +17,14 @@ from .v1 import common_pb2, generation_pb2, verifier_pb2
 
 # Servers read a request's sampling parameters in every step, and clients send the same few settings
 # over and over: each distinct small setting is converted and validated once, and the result shared
-# (frozen). A setting with long token lists (logit_bias, allowed_token_ids) is converted every time,
-# so that no cache holds large keys.
-MEMO_TOKENS = 64  # a setting with more listed tokens than this is not memoized
+# (frozen, compared by value). A large one (long token lists in logit_bias or allowed_token_ids, or
+# fields this version does not know) is converted every time, so that no memo holds large keys.
+MEMO_BYTES = 256  # a message larger than this is not memoized
+MEMO_TOKENS = 32  # nor a setting listing more tokens than this
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    if len(pb.logit_bias) + len(pb.allowed_token_ids) > MEMO_TOKENS:
+    if pb.ByteSize() > MEMO_BYTES:
         return _sampling(pb)
     return _sampling_of(pb.SerializeToString(deterministic=True))
 
@@ -42,9 +43,14 @@ def _sampling(pb: common_pb2.SamplingParams) -> SamplingParams:
                           allowed_token_ids=tuple(sorted(set(pb.allowed_token_ids))))
 
 
+def _memoized(s: SamplingParams) -> bool:
+    return (len(s.logit_bias) + len(s.allowed_token_ids) <= MEMO_TOKENS
+            and type(s.logit_bias) is tuple and type(s.allowed_token_ids) is tuple)  # hashable
+
+
 def validated(s: SamplingParams) -> SamplingParams:
-    """s, once `s.validate()` has passed (ValueError naming the field otherwise)."""
-    if len(s.logit_bias) + len(s.allowed_token_ids) > MEMO_TOKENS:
+    """s, or an equal instance, once `s.validate()` has passed (ValueError naming the field otherwise)."""
+    if not _memoized(s):
         s.validate()
         return s
     return _validated(s)
@@ -59,9 +65,7 @@ def _validated(s: SamplingParams) -> SamplingParams:  # a ValueError is raised a
 def sampling_to_pb(s: SamplingParams) -> common_pb2.SamplingParams:
     """The message for s. A memoized one is shared: pass it on into a message (which copies it), never
     change it."""
-    if len(s.logit_bias) + len(s.allowed_token_ids) > MEMO_TOKENS:
-        return _sampling_pb(s)
-    return _sampling_pb_of(s)
+    return _sampling_pb_of(s) if _memoized(s) else _sampling_pb(s)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -22,7 +22,7 @@ SETTINGS = [SamplingParams(),
 def test_sampling_parameters_survive_the_round_trip(s):
     wire = sampling_to_pb(s).SerializeToString()
     assert sampling_from_pb(common_pb2.SamplingParams.FromString(wire)) == s
-    assert validated(s) is s
+    assert validated(s) == s
 
 
 def test_equal_small_settings_are_converted_once_and_shared_and_large_ones_every_time():
@@ -33,7 +33,24 @@ def test_equal_small_settings_are_converted_once_and_shared_and_large_ones_every
     assert sampling_from_pb(sampling_to_pb(SamplingParams(seed=1))) != sampling_from_pb(sampling_to_pb(SamplingParams(seed=2)))
     held = convert._sampling_of.cache_info().currsize, convert._sampling_pb_of.cache_info().currsize
     assert sampling_from_pb(sampling_to_pb(large)) == large
+    # a small setting carrying a field this version does not know (a newer client's, or a hostile one's)
+    unknown = sampling_to_pb(small).SerializeToString() + _field(1000, b"x" * 100_000)
+    assert sampling_from_pb(common_pb2.SamplingParams.FromString(unknown)) == small
     assert (convert._sampling_of.cache_info().currsize, convert._sampling_pb_of.cache_info().currsize) == held
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field, as raw bytes."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 @pytest.mark.parametrize("bad,field", [(SamplingParams(top_p=0.0), "top_p"), (SamplingParams(min_tokens=-1), "min_tokens"),
