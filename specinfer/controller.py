@@ -32,10 +32,11 @@ go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for l
 - Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
-A batch size's choice is weighed again every REWEIGH (8) of its iterations while it holds, not at
-every one (weighing every time was most of the controller's cost: 154 of the manager's 254 us an
-iteration at one request on a CPU), and at the next iteration after it moved, so that a move one odd
-step caused is undone as soon as before.
+Once a batch size has run SETTLING (32) iterations, its choice is weighed again every REWEIGH (8)
+of them while it holds, not at every one (weighing every time was most of the controller's cost:
+154 of the manager's 254 us an iteration at one request on a CPU), and at the next iteration after
+it moved, so that a move one odd step caused is undone as soon as before. Before, the fits are
+young and move fast, and every iteration weighs.
 
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
 the model does not see decide (a speculator that sat out plain steps catches up on their tokens first;
@@ -233,6 +234,7 @@ class Share:
 
 
 REWEIGH = 8  # iterations a batch size keeps the model's choice before weighing the choices' rates again
+SETTLING = 32  # ... once it has run this many: before, its fits are young and every iteration weighs
 
 
 @dataclass
@@ -350,7 +352,7 @@ class SpeculationController:
                 return c
         look = self.looks.setdefault(batch_size, Looks())
         look.iterations += 1
-        if look.iterations - look.weighed < REWEIGH and look.trees == full_trees:
+        if look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees:
             best = options.index(look.best)  # the rates move little from one iteration to the next
         else:
             rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
