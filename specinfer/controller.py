@@ -81,17 +81,18 @@ class Fit:
 
     Robust to stalls: once `settled` samples are in, a sample is taken at most `clip` times what the
     fit predicts for it (the fit as solved at most `refresh` samples before: solving for every sample
-    cost more than the rest of the fit). A step that a noisy neighbour or a page fault stalled ten times over then
-    moves the fit no more than a step twice as slow would, while the drift of a machine's speed (up
-    to 2x) comes through whole, and a larger lasting change at twice the prediction a sample. In a
-    simulation with 5% of steps stalled 10x the choices' rate fell to 87% of the best choice's
-    unclipped, and stayed at 96% or more clipped (tests/test_controller.py)."""
+    cost more than the rest of the fit). A step that a noisy neighbour or a page fault stalled ten
+    times over then moves the fit no more than a step twice as slow would, while the drift of a
+    machine's speed (up to 2x) comes through whole, and a larger lasting change at twice the
+    prediction a sample. In a simulation with 5% of steps stalled 10x the choices' rate fell to 87% of
+    the best choice's unclipped, and stayed at 96% or more clipped (tests/test_controller.py)."""
 
     window: int = 256
     samples: deque = field(default_factory=deque)
     coef: list[float] | None = None  # solved from the sums (`_solve`), when asked after a change
-    xtx: list[list[float]] | None = None  # sum of x x' over the window (plain floats: a handful of features,
-    xty: list[float] | None = None  # sum of x y over the window      an update per iteration, numpy's calls cost more)
+    # the sums in plain floats: a handful of features and an update per iteration, where numpy's calls cost more
+    xtx: list[list[float]] | None = None  # sum of x x' over the window
+    xty: list[float] | None = None  # sum of x y over the window
     clip: float = 2.0
     settled: int = 16
     refresh: int = 8  # a sample is clipped against coefficients solved at most this many samples before it
