@@ -10,9 +10,11 @@
 #             written to /dev/shm (else /tmp) on that machine, never carried; kept there for a rerun
 #   services  specinfer_bench.services --in-process on it: first the same requests in this process through
 #             the engine, then the verifier on the GPU and the two fixture SSMs as speculators, speculation
-#             off against the manager's default at 1, 16 and 64 streams, one round each, greedy: tok/s, the
-#             manager's split of an iteration (verifier, slowest speculator, the rest), services against in
-#             process (what the hops cost), and each setting's share of off's greedy tokens (bfloat16)
+#             off against the manager's default at 1, 16 and 64 streams, and off without steps sent ahead
+#             (@sequential, the manager's --steps-ahead off: what sending plain steps ahead gains), one round
+#             each, greedy: tok/s, the manager's split of an iteration (verifier, slowest speculator, the
+#             rest), services against in process (what the hops cost), and each setting's share of off's
+#             greedy tokens (bfloat16)
 # It ends with a summary of a screen; everything comes back as one archive (bench/gpu_lib.sh).
 #
 #   . bench/gpu_lib.sh && gpu_pack fixtures          # here: models/smollm2 aside, the wheels in .whl
@@ -64,7 +66,7 @@ if want services && [ ! -d "$llm" ]; then
     say "services: not run (no inflated model)"
 elif want services; then
     part services "$(left)" python3 -m specinfer_bench.services --llm "$llm" --ssm $fx/ssm-0 --ssm $fx/ssm-1 \
-        --prompt-file $fx/heldout_prompts.jsonl --configs 'off;default' --rounds 1 --in-process "${services[@]}" \
+        --prompt-file $fx/heldout_prompts.jsonl --configs 'off;off@sequential;default' --rounds 1 --in-process "${services[@]}" \
         --log-dir "$work/services-logs" --out "$work/services_$gpu"
     grep -h '^in process: \|^services: .* serving' "$work/services.log" | while read -r line; do say "  $line"; done
     figures services "$work/services_$gpu.json"

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
-from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine, default_tree_budget
+from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine, default_tree_budget, steps_ahead_for
 from specinfer.grammar import Grammars
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
@@ -83,6 +83,11 @@ class ManagerConfig(ServerConfig):
                                   "of the same priority whose output holds this many tokens more, in whole turns "
                                   "(so short requests never wait behind long ones for long); 0: only priority "
                                   "preempts")
+    steps_ahead: str = option("auto", "where every request of a step decodes plainly and so will the next, send the next "
+                                      "to the verifier before this one is answered (async scheduling: the hop and this "
+                                      "manager's work overlap the verifier's steps instead of standing between them): on, "
+                                      "off, or auto: on when the verifier runs on a GPU (on a CPU its threads use every "
+                                      "core, and the overlap slows its steps as much as it saves)")
     verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
@@ -110,6 +115,7 @@ async def main(cfg: ManagerConfig) -> None:
         raise ValueError(f"kv_watermark: must be in [0, 1), got {cfg.kv_watermark}")
     if cfg.turn_tokens < 0:
         raise ValueError(f"turn_tokens: must be >= 0, got {cfg.turn_tokens}")
+    steps_ahead_for("", cfg.steps_ahead)  # a setting it does not know: refused before anything starts
     if cfg.tree_budget < 0:
         raise ValueError(f"tree_budget: must be >= 0 (0: by the verifier's device), got {cfg.tree_budget}")
     targets = [parse_target(entry) for entry in cfg.speculators]
@@ -118,6 +124,7 @@ async def main(cfg: ManagerConfig) -> None:
     log.info("waiting for the verifier at %s", cfg.verifier)
     vinfo = await verifier.info(wait=cfg.startup_timeout)
     tree_budget = default_tree_budget(vinfo.device, cfg.tree_budget)
+    steps_ahead = steps_ahead_for(vinfo.device, cfg.steps_ahead)
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.internal_message_bytes, credentials,
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
@@ -127,7 +134,7 @@ async def main(cfg: ManagerConfig) -> None:
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
                                else None,
-                               lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk)
+                               lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks,

@@ -11,6 +11,7 @@ a request's state (`VerifierLost`): then the engine resends whole records.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -59,8 +60,10 @@ def verified(batch: list[Check], response: verifier_pb2.VerifyResponse) -> list[
 class VerifierClient:
     """Request ids on the verifier are this manager's own (a random prefix), so several managers
     can share one verifier even when their clients choose the same ids. Steps go over one
-    long-lived VerifyStream, a request and its response each: a step pays no call set-up. A stream
-    that ended (an error, a restarted verifier) is replaced by the next step."""
+    long-lived VerifyStream, a request and its response each: a step pays no call set-up. A step
+    is queued on the stream when its `verify` call starts, and the next may be sent before its answer
+    came (the engine's steps ahead); answers come back in order. A stream that ended (an error, a
+    restarted verifier) fails the steps it had not answered and is replaced by the next step's."""
 
     CONNECT_GRACE = 2.0  # seconds a call waits for a (re)connecting verifier before failing
 
@@ -71,26 +74,26 @@ class VerifierClient:
         self.channel = open_channel(address, credentials, channel_options(max_message_bytes))
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         self.namespace = uuid.uuid4().hex[:12] + "/"
-        self.steps = None  # the VerifyStream call (None: the next step opens one)
+        self.steps: StepStream | None = None  # None: the next step opens one
 
     async def info(self, wait: float) -> verifier_pb2.VerifierInfo:
         """The verifier's model info, waiting up to `wait` seconds for it to come up."""
         return await self.stub.GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=wait, wait_for_ready=True)
 
-    async def verify(self, batch: list[Check], release: list[str]) -> tuple[list[Verified], int]:
+    async def verify(self, batch: list[Check], release: list[str], follows: bool = False) -> tuple[list[Verified], int]:
         """Each request's answer and the verifier's step time in ns; features and logprobs stay
-        protobuf (FeatureRows, TokenLogprob): the manager hands them on as they came."""
-        request = verify_request(self.namespace, batch, release)
-        if self.steps is None or self.steps.done():
-            await self._connected()
-            self.steps = self.stub.VerifyStream()
+        protobuf (FeatureRows, TokenLogprob): the manager hands them on as they came. The step is
+        queued before the first await. `follows`: it needs what the step sent before it leaves (a step
+        ahead), so it goes on that step's stream or nowhere: VerifierLost if that one ended."""
+        if self.steps is None or self.steps.ended:
+            if follows:
+                raise VerifierLost(f"verifier {self.address}: the stream of the step this one follows ended")
+            self.steps = StepStream(self._open)
         steps = self.steps
+        answer = steps.send(verify_request(self.namespace, batch, release))
         try:
             async with asyncio.timeout(self.timeout):
-                await steps.write(request)
-                response = await steps.read()  # raises the stream's error status
-            if response is grpc.aio.EOF:
-                raise ConnectionError("the verifier ended the step stream")
+                response = await answer  # raises the stream's error status
         except grpc.aio.AioRpcError as e:
             self._drop(steps)
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -104,8 +107,12 @@ class VerifierClient:
             raise VerifierUnavailable(f"verifier {self.address}: UNAVAILABLE: {e}") from e
         return verified(batch, response), response.step_ns
 
-    def _drop(self, steps) -> None:
-        steps.cancel()
+    async def _open(self):
+        await self._connected()
+        return self.stub.VerifyStream()
+
+    def _drop(self, steps: StepStream) -> None:
+        steps.end(ConnectionError("the step stream was dropped"))
         if self.steps is steps:
             self.steps = None
 
@@ -131,8 +138,74 @@ class VerifierClient:
 
     async def close(self) -> None:
         if self.steps is not None:
-            self.steps.cancel()
+            self.steps.end(ConnectionError("the client closed"))
+            await self.steps.stopped()
         await self.channel.close()
+
+
+class StepStream:
+    """One VerifyStream call with its steps in order: `send` queues a request at once and returns the
+    future of its answer; a task opens the call and writes the queue, another reads the answers.
+    When the call ends (its error, EOF) or is ended, every step not answered fails with that."""
+
+    def __init__(self, open_call):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.ended = False
+        self.call = None
+        self.reader: asyncio.Task | None = None
+        self.writer = asyncio.ensure_future(self._write(open_call))
+
+    def send(self, request) -> asyncio.Future:
+        answer = asyncio.get_running_loop().create_future()
+        self.waiting.append(answer)
+        self.queue.put_nowait(request)
+        return answer
+
+    async def _write(self, open_call) -> None:
+        try:
+            self.call = await open_call()
+            self.reader = asyncio.ensure_future(self._read())  # it ends with the call
+            while True:
+                await self.call.write(await self.queue.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # grpc.aio.AioRpcError, or the call ended under a write:
+            if self.reader is not None:  # the reader ends with the call's own status (FAILED_PRECONDITION:
+                await asyncio.wait([self.reader])  # the verifier lost a request), which the steps fail with
+            self.end(e)
+
+    async def _read(self) -> None:
+        try:
+            while (response := await self.call.read()) is not grpc.aio.EOF:
+                if not self.waiting:
+                    raise ConnectionError("the verifier answered a step that was not sent")
+                answer = self.waiting.popleft()
+                if not answer.done():  # else its caller stopped waiting (cancelled)
+                    answer.set_result(response)
+            self.end(ConnectionError("the verifier ended the step stream"))
+        except asyncio.CancelledError:  # the call was cancelled (end)
+            raise
+        except Exception as e:  # grpc.aio.AioRpcError: the stream's error status
+            self.end(e)
+
+    def end(self, error: Exception) -> None:
+        """Stop: the steps not answered fail with `error`; the call is cancelled, and the reader
+        ends with it."""
+        if self.ended:
+            return
+        self.ended = True
+        while self.waiting:
+            answer = self.waiting.popleft()
+            if not answer.done():
+                answer.set_exception(error)
+        if self.call is not None:
+            self.call.cancel()
+        self.writer.cancel()
+
+    async def stopped(self) -> None:
+        """Wait for its tasks to end (after `end`)."""
+        await asyncio.wait([t for t in (self.writer, self.reader) if t is not None])
 
 
 class FeaturesMismatch(ValueError):

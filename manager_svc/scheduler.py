@@ -192,8 +192,9 @@ class Scheduler:
 
     def _blocks(self, seq: Stream) -> int:
         """Verifier KV blocks the request's next step can hold: its record and its largest merged
-        draft tree (blocks on demand: what it holds now, not what it may grow to)."""
-        return -(-(seq.length + seq.max_tree) // self.kv_block_size)
+        draft tree, or the one token of a plain step the engine sent ahead (blocks on demand: what it
+        holds now, not what it may grow to)."""
+        return -(-(seq.length + max(seq.max_tree, int(self.engine.steps_ahead))) // self.kv_block_size)
 
     @property
     def kv_used(self) -> int:

@@ -15,6 +15,17 @@ One iteration over a batch of running requests:
      a constrained request's rows are masked to what its grammar allows there;
   4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
 
+A step sent ahead: where every request of a step decodes plainly and so will the next (speculation
+off, or the controller chose plain decoding for the batch size; no grammar, no chunked prefill), the
+next step needs nothing the answer brings: the verifier already holds the token this step emits. So,
+with `steps_ahead` (the manager's, over its client of a verifier service), the engine sends the next
+step before awaiting this one, and the verifier starts it the moment this one ends: the hop, the
+manager's own work and the verifier's protobuf overlap the steps instead of standing between them
+(vLLM's async scheduling does this within one process). The next
+iteration awaits that step and sends the one after it; a request admitted meanwhile joins that one. A
+request that this step finishes had one step too many computed for it, which is dropped. A request
+whose step ahead is dropped unanswered (a failure, a preemption) is resent whole, as after a lost state.
+
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
 only costs its trees; a verifier that fails fails the step's requests (errors.py), except when it
@@ -47,6 +58,16 @@ PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager
 # tokens a step (bench/results/services_h200_7b_budget16_in_process.json): the whole tree up to 42 requests, two
 # levels at 64; the controller picks the depth within.
 TREE_BUDGETS = {"cpu": 16, "cuda": 256}
+
+
+def steps_ahead_for(device: str, setting: str = "auto") -> bool:
+    """Whether plain steps are sent ahead (module docstring): `setting` "on" or "off", or "auto": on for
+    a verifier on a GPU, whose host waits while the GPU steps; off on a CPU, where the verifier's threads
+    use every core and what the overlap moves beside a step slows the step as much
+    (bench/results/fixtures/steps_ahead_cpu.md). ValueError for another setting."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"steps_ahead: must be auto, on or off, got {setting!r}")
+    return setting == "on" or (setting == "auto" and device == "cuda")
 
 
 def default_tree_budget(device: str, budget: int = 0) -> int:
@@ -208,9 +229,10 @@ class Drafter(Protocol):
 
 
 class VerifierBackend(Protocol):
-    async def verify(self, checks: list[Check], release: list[str]) -> tuple[list[Verified], int]:
+    async def verify(self, checks: list[Check], release: list[str], follows: bool = False) -> tuple[list[Verified], int]:
         """Each request's answer and the step's own time in ns, after forgetting the `release`
-        requests. Raises VerifierUnavailable or VerifierLost."""
+        requests. Raises VerifierUnavailable or VerifierLost. `follows` (steps sent ahead only): the
+        step needs the state the step sent just before it leaves; VerifierLost where that one's may be lost."""
 
     async def release(self, request_ids: list[str]) -> None: ...
 
@@ -311,6 +333,20 @@ class Stats:
                                         for (b, m), (k, t) in sorted(self.shapes.items())}}
 
 
+@dataclass
+class Ahead:
+    """A plain step sent before the step it follows was answered."""
+
+    call: asyncio.Future  # the verify call: (answers, step ns)
+    seqs: list[Sequence]
+    preemptions: list[int]  # each one's count when sent: a request preempted since gets no commit
+    choice: Choice  # the controller's, for the batch size it was sent at
+    rows: int
+    steady: bool  # every request's previous step was in flight (no prefill rode along)
+    release: list[str]  # the requests the step's message freed
+    why: list[str]  # why each request has no tree this step (Sequence.no_tree)
+
+
 def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
     """Append a step's tokens to the request's generated tokens `out`, up to and including the
     first that finishes the request; return the finish reason ("eos", "stop", "length") or ""."""
@@ -329,7 +365,7 @@ class SpeculativeEngine:
     def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
                  lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, steps_ahead: bool = False):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
         if prefill_chunk < 0:
@@ -346,7 +382,12 @@ class SpeculativeEngine:
         # a record longer than this goes to the verifier in chunks of it, one a step, beside the other
         # requests' steps, so a long prompt does not stall them for its whole prefill (0: whole)
         self.prefill_chunk = prefill_chunk
+        # plain steps are sent ahead (module docstring): the backend must send a step when its `verify`
+        # call starts, before the call's first await, and answer steps in order (the manager's client does)
+        self.steps_ahead = steps_ahead
         self.verifier_release: set[str] = set()  # sent with the next verify call
+        self.ahead: Ahead | None = None  # the step sent ahead, in flight
+        self.chosen: tuple[int, Choice] | None = None  # the controller's choice for the next step (batch size, choice)
         self.stats = Stats()
 
     def constraint(self, request: Request) -> Constraint | None:
@@ -390,6 +431,8 @@ class SpeculativeEngine:
 
     async def flush(self) -> None:
         """Deliver pending releases now (when no step is coming to carry them)."""
+        if (ahead := self._drop_ahead()) is not None:  # answered before the releases: the verifier keeps
+            await asyncio.wait([ahead.call])             # no state a step ahead made after them
         if self.verifier_release:
             ids = sorted(self.verifier_release)
             self.verifier_release.clear()
@@ -404,6 +447,8 @@ class SpeculativeEngine:
         """One step of every request in `batch`: each one's chunk, or the error it failed with.
         Requests marked done meanwhile (cancelled) are skipped."""
         start = time.perf_counter()
+        if self.ahead is not None:
+            return await self._answer_ahead(batch, start)
         steady = all(s.verifier_has == s.length for s in batch)
         # long records go in chunks, each sent alone; drafted for and decided at their last chunk
         chunks = {s.id: n for s in batch if (n := self._chunk(s))} if self.prefill_chunk else {}
@@ -411,7 +456,7 @@ class SpeculativeEngine:
         if chunks:
             batch = [s for s in batch if s.id not in chunks]
         full_trees = self._full_trees(len(batch))
-        choice = Choice(len(full_trees)) if self.controller is None else self.controller.choose(len(batch), full_trees)
+        choice = self._choose(len(batch), full_trees)
         trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
@@ -439,20 +484,23 @@ class SpeculativeEngine:
         # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
         # worse there, never wrongly), and a load at which the controller decodes plainly pays for none
         features = self.wants_features
-        checks = [Check(s.id, s.tokens_from(s.verifier_has), s.length, trees.get(s.id, TokenTree()), s.request.sampling,
-                        features and s.id in plans, s.request.logprobs,
-                        s.request.prompt_logprobs and not s.steps, s.request.top_logprobs, allowed.get(s.id),
-                        output_start=len(s.request.prompt), stop_ids=self._stop_ids(s.request))
+        checks = [self._check(s, trees.get(s.id, TokenTree()), features and s.id in plans, allowed.get(s.id))
                   for s in batch]
         checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
                          TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
-        release = sorted(self.verifier_release)
-        self.verifier_release.clear()
+        release = self._releasing()
+        call = self.verifier.verify(checks, release)
+        if self.steps_ahead and not trees and not chunked and not allowed:
+            call = asyncio.ensure_future(call)  # sent first: the step ahead follows it
+            self.ahead = self._send_ahead(batch, {s.id for s in batch})
         try:
-            verified, step_ns = await self.verifier.verify(checks, release)
+            verified, step_ns = await call
         except VerifierLost as e:
+            self._drop_ahead()
+            self.verifier_release.update(release)  # a queued step may fail before its releases were applied
             return self._resync(batch + chunked, e)
         except VerifierUnavailable as e:
+            self._drop_ahead()
             self.verifier_release.update(release)
             return [(s, e) for s in batch + chunked]
         for s, v in zip(chunked, verified[len(batch):]):
@@ -484,6 +532,98 @@ class SpeculativeEngine:
             self.controller.record_drafters(outcomes)
         self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s)
         return out
+
+    async def _answer_ahead(self, batch: list[Sequence], start: float) -> list[tuple[Sequence, Chunk | Exception]]:
+        """An iteration whose step was sent ahead: send the next one ahead if it may be (the batch's
+        requests, those admitted since included), then commit this one's answers."""
+        ahead, self.ahead = self.ahead, None
+        in_flight = {s.id for s, n in zip(ahead.seqs, ahead.preemptions) if not s.done and s.preemptions == n}
+        self.ahead = self._send_ahead([s for s in batch if not s.done], in_flight)
+        try:
+            verified, step_ns = await ahead.call
+        except VerifierLost as e:
+            self._drop_ahead()
+            self.verifier_release.update(ahead.release)
+            return self._resync([s for s in ahead.seqs if s.id in in_flight], e)
+        except VerifierUnavailable as e:
+            self._drop_ahead()
+            self.verifier_release.update(ahead.release)
+            return [(s, e) for s in ahead.seqs if s.id in in_flight]
+        out, outcomes = [], {}
+        for s, n, v, why in zip(ahead.seqs, ahead.preemptions, verified, ahead.why):
+            if not s.done and s.preemptions == n:  # else cancelled, or preempted and to be resent whole
+                s.no_tree[why] += 1
+                out.append((s, self._commit(s, v, None, {}, (), outcomes)))
+        if self.controller is not None and ahead.steady:
+            self.controller.record(Iteration(
+                batch_size=len(ahead.seqs), choice=ahead.choice, rows=ahead.rows, trees=False, draft_levels=0,
+                draft_nodes=0, seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=0.0))
+        self.stats.add(len(ahead.seqs), 0, time.perf_counter() - start, step_ns / 1e9, 0.0)
+        return out
+
+    def _send_ahead(self, seqs: list[Sequence], in_flight: set[str]) -> Ahead | None:
+        """Send the requests' next step now if it is plain for every one of them and needs nothing the
+        steps in flight answer (`in_flight`: the requests with a plain step in flight, whose verifier
+        then holds one token more than their record); None where it is not sent."""
+        if not self.steps_ahead or not seqs:
+            return None
+        if any(s.constraint is not None or (s.id not in in_flight and self._chunk(s)) for s in seqs):
+            return None
+        fits = len(full_trees := self._full_trees(len(seqs)))
+        choice = self._choose(len(seqs), full_trees)
+        if (self.drafters or self.lookup) and any(self._plan(s, choice) for s in seqs):
+            self.chosen = (len(seqs), choice)  # the next iteration drafts on it
+            return None
+        # a request whose step in flight is its last is left out (it would emit past max_new_tokens)
+        sent = [s for s in seqs if s.id not in in_flight or len(s.generated) + 1 < s.request.max_new_tokens]
+        if not sent:
+            self.chosen = (len(seqs), choice)
+            return None
+        checks = [self._check(s, ahead=s.id in in_flight) for s in sent]
+        release = self._releasing()
+        call = asyncio.ensure_future(self.verifier.verify(checks, release, follows=True))
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())  # a dropped one's error is no news
+        return Ahead(call, sent, [s.preemptions for s in sent], choice, sum(len(c.new_tokens) for c in checks),
+                     all(s.id in in_flight for s in sent), release,
+                     ["no drafters configured" if self._plan(s, choice) else self._why_no_plan(s, len(seqs), fits)
+                      for s in sent])
+
+    def _drop_ahead(self) -> Ahead | None:
+        """Forget the step sent ahead without its answer: its requests are resent whole (what the
+        verifier holds of them is not known) and the releases it carried are sent again."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        for s in ahead.seqs:
+            if not s.done:
+                s.verifier_has = 0
+                self.verifier_release.add(s.id)
+        self.verifier_release.update(ahead.release)
+        return ahead
+
+    def _choose(self, batch_size: int, full_trees: list[int]) -> Choice:
+        """The server's choice for a step of `batch_size` requests: the one made for it when a step
+        ahead was weighed and not sent, else the controller's now (without one: the whole trees)."""
+        chosen, self.chosen = self.chosen, None
+        if chosen is not None and chosen[0] == batch_size:
+            return chosen[1]
+        return Choice(len(full_trees)) if self.controller is None else self.controller.choose(batch_size, full_trees)
+
+    def _check(self, s: Sequence, tree: TokenTree | None = None, features: bool = False,
+               allowed: AllowedTokens | None = None, ahead: bool = False) -> Check:
+        """The request's step: the record's tokens the verifier lacks, or (`ahead`: its plain step in
+        flight leaves the verifier one token past the record) none."""
+        return Check(s.id, [] if ahead else s.tokens_from(s.verifier_has), s.length + ahead, tree or TokenTree(),
+                     s.request.sampling,
+                     features, s.request.logprobs, s.request.prompt_logprobs and not s.steps and not ahead,
+                     s.request.top_logprobs, allowed, output_start=len(s.request.prompt),
+                     stop_ids=self._stop_ids(s.request))
+
+    def _releasing(self) -> list[str]:
+        """The requests to free with the step sent now."""
+        release = sorted(self.verifier_release)
+        self.verifier_release.clear()
+        return release
 
     def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree],
                 forced: list[int], outcomes: dict[int, list[tuple[int, int]]]) -> Chunk:

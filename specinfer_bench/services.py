@@ -58,7 +58,7 @@ from .inprocess import load_prompt_ids, reference_greedy
 from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs"}
+OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs", "sequential", "ahead"}
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
 SPLIT = ("ms_per_iteration", "verify_ms", "draft_ms", "overhead_ms", "mean_batch")  # of an engine's Stats.summary
@@ -76,11 +76,14 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
     runs from the --baseline source tree; @head: the feature speculators `heads` draft too; @logprobs:
-    the load's requests ask for logprobs, a request option the manager's flags do not see)."""
+    the load's requests ask for logprobs, a request option the manager's flags do not see; @sequential and
+    @ahead: the manager's --steps-ahead off and on, where its default is auto)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     name, *options = config.split("@")
     if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
         raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} ({', '.join(sorted(OPTIONS))})")
+    if "sequential" in options or "ahead" in options:
+        flags += ["--steps-ahead", "off" if "sequential" in options else "on"]
     if name != "off":
         expansion, budget, *options = config.split("@")
         if "head" in options and not heads:
@@ -131,11 +134,13 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
     against the reference first, then per concurrency c, `requests_per_stream` waves of c requests taking
     the prompts in the load's order, sampled as its first round's. Returns the reference ('off's greedy
     outputs) and one row per (config, concurrency) with the engine's per-iteration split (engine_*:
-    verifier step, slowest drafter, the rest)."""
+    verifier step, slowest drafter, the rest). A config with @sequential or @ahead is its config without them here
+    (the engine in process never sends a step ahead), so it is not run again."""
     if "off" not in configs:
         raise ValueError("--in-process: its 'off' is the reference; give 'off' in --configs")
     reference, rows = [], []
-    for config in sorted(configs, key=lambda c: c != "off"):
+    for config in sorted((c for c in configs if not {"sequential", "ahead"} & set(c.split("@")[1:])),
+                         key=lambda c: c != "off"):
         engine = Engine(llm, ssms, **engine_settings(config, len(ssms), llm.device.type))
         outs = [g.token_ids for g in engine.generate([Request(q, CHECK_TOKENS) for q in prompts[:CHECK_PROMPTS]])]
         reference = reference or outs

@@ -37,6 +37,10 @@ class ModelThread:
         """Run fn on the model thread and wait for it (startup: loading, warm-up)."""
         return self.executor.submit(fn, *args).result()
 
+    def submit(self, fn: Callable[..., T], *args) -> asyncio.Future:
+        """Queue fn on the model thread now (calls run in the order they were submitted); its future."""
+        return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run fn on the model thread without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await self.submit(fn, *args)

@@ -130,18 +130,35 @@ def _guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler
             await refuse(context)  # raises AbortError
         return request
 
-    async def admit(request, context):  # the request, or the request stream checked item by item
+    async def upto_corrupt(requests, corrupt: list):  # a request stream, ended at its first corrupt item
+        async for r in requests:
+            if r is _CORRUPT:
+                corrupt.append(r)
+                return
+            yield r
+
+    async def admit(request, context, corrupt: list):
+        """The request, or the request stream up to a corrupt item: the servicer answers the items
+        before it, and the call is refused after (abort from the call's own task, not from wherever
+        the servicer reads its stream: a servicer may read ahead in a task of its own)."""
         if handler.request_streaming:  # (servicers iterate their request streams, none calls context.read())
-            return (await valid(r, context) async for r in request)
+            return upto_corrupt(request, corrupt)
         return await valid(request, context)
 
     if inspect.isasyncgenfunction(behaviour):
         async def guarded(request, context):
-            async for response in behaviour(await admit(request, context), context):
+            corrupt = []
+            async for response in behaviour(await admit(request, context, corrupt), context):
                 yield response
+            if corrupt:
+                await refuse(context)
     elif inspect.iscoroutinefunction(behaviour):
         async def guarded(request, context):
-            return await behaviour(await admit(request, context), context)
+            corrupt = []
+            response = await behaviour(await admit(request, context, corrupt), context)
+            if corrupt:
+                await refuse(context)
+            return response
     else:  # every handler served is a coroutine or an async generator
         return handler
     return handler._replace(request_deserializer=tolerant, **{kind: guarded})

@@ -13,7 +13,8 @@ import pytest
 
 from manager_svc.scheduler import Scheduler, SlowReader, Stream
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
-from specinfer.engine import Record, Request, SpeculativeEngine, Verified
+from specinfer.engine import Record, Request, SpeculativeEngine, Verified, steps_ahead_for
+from specinfer.errors import VerifierLost
 from specinfer.tree import TokenTree
 
 PERIOD = 5
@@ -304,3 +305,100 @@ def test_a_drafts_record_is_the_prompt_then_the_generated_tokens_read_from_any_p
     assert len(record) == 5 and all(record.tail(i) == (prompt + generated)[i:] for i in range(7))
     generated.append(10)  # a view of the request's own lists: a committed token is in it
     assert len(record) == 6 and record.tail(4) == [9, 10]
+
+
+class Queued(PoolVerifier):
+    """The stand-in as a backend that queues steps (as the manager's client of a verifier service): a
+    step is computed when its call starts, in the order the calls start, and answered a few loop
+    passes later, so the engine sends plain steps ahead. `lose_at`: the step (1-based) whose answer
+    is a lost state, as a restarted verifier's: it forgets every request (the step sent ahead of it,
+    computed before, is then dropped by the engine unanswered)."""
+
+    def __init__(self, blocks: int = 10_000, block_size: int = 8, lose_at: int = 0):
+        super().__init__(blocks, block_size)
+        self.lose_at, self.lost_upto = lose_at, 0
+        self.sent = self.in_flight = self.most_in_flight = 0
+
+    async def verify(self, checks, release, follows=False):
+        self.sent += 1
+        number = self.sent
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            answer = await super().verify(checks, release)  # no await inside: computed now, in call order
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if number == self.lose_at:
+                self.records.clear()
+                self.lost_upto = self.sent
+            if number <= self.lost_upto:
+                raise VerifierLost(f"step {number}: the verifier restarted")
+            return answer
+        finally:
+            self.in_flight -= 1
+
+
+def queued_scheduler(verifier: Queued, speculate: bool = False, max_batch: int = 8, kv_blocks: int = 0):
+    engine = SpeculativeEngine(verifier, [Speculator()] if speculate else [], eos=set(),
+                               expansion=[1, 1] if speculate else [], tree_budget=None, controller=None,
+                               lookup=speculate, lookup_tokens=2, steps_ahead=True)
+    return Scheduler(engine, max_batch=max_batch, max_queue=64, max_prefill_tokens=4096, kv_tokens=kv_blocks * 8,
+                     kv_block_size=8, kv_watermark=0.0)
+
+
+def expected(req: Request) -> list[int]:
+    out = reference(req.prompt, req.max_new_tokens)
+    stop = next((i for i, t in enumerate(out) if t in req.stop_token_ids), None)
+    return out if stop is None else out[: stop + 1]
+
+
+def test_plain_steps_are_sent_ahead_and_every_output_stays_exact():
+    """Speculation off, over a backend that queues steps: each plain step is sent before the one it
+    follows is answered (two in flight), a request admitted meanwhile joins the next one, a request
+    ending on a stop token or its length has its step ahead dropped, and every output is exactly the
+    LLM's; at the end the verifier holds nothing. With the drafters' trees nothing is sent ahead."""
+    for speculate in (False, True):
+        verifier = Queued()
+        scheduler = queued_scheduler(verifier, speculate)
+        requests = [Request([1, 2, 3, 4, 5, 6, 7], 30), Request([10, 11, 12, 13, 14, 15], 9),
+                    Request([20, 21, 22, 23, 24, 25, 26], 40, stop_token_ids=[23])]
+        seqs = [scheduler.submit(r, None) for r in requests]
+        late = []
+        serve_all(scheduler, [(5, lambda: late.append(scheduler.submit(Request([30, 31, 32, 33, 34], 12), None)))])
+        for s in seqs + late:
+            assert s.generated == expected(s.request), speculate
+        assert [s.finish_reason for s in seqs + late] == ["length", "length", "stop", "length"]
+        assert verifier.most_in_flight == (1 if speculate else 2)
+        assert not verifier.records and not scheduler.running
+        # every step's reason for having no tree is counted, the steps sent ahead's too
+        assert all(sum(s.no_tree.values()) + s.tree_steps == s.steps for s in seqs + late)
+
+
+def test_a_step_ahead_survives_preemption_cancellation_and_a_lost_verifier():
+    """Preempted while its step ahead is in flight (the pool runs out), the request is resent whole
+    and its output stays exact, and no step needs more blocks than the pool has (the step ahead's
+    token counted); a request cancelled meanwhile is released; a verifier that loses its state
+    under two steps in flight gets every record again."""
+    verifier = Queued(blocks=40)
+    scheduler = queued_scheduler(verifier, kv_blocks=40)
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6] for i in range(1, 120, 10)]
+    seqs = [scheduler.submit(Request(p, 60), None) for p in prompts]
+    serve_all(scheduler, [(20, lambda: scheduler.cancel(seqs[0]))])
+    assert verifier.most_in_flight == 2 and sum(s.preemptions for s in seqs) > 0
+    assert seqs[0].done and 0 < len(seqs[0].generated) < 60
+    assert [s.generated for s in seqs[1:]] == [reference(p, 60) for p in prompts[1:]]
+    assert not verifier.records
+
+    verifier = Queued(lose_at=12)
+    scheduler = queued_scheduler(verifier)
+    seqs = [scheduler.submit(Request(p, 30), None) for p in prompts[:3]]
+    serve_all(scheduler)
+    assert [s.generated for s in seqs] == [reference(p, 30) for p in prompts[:3]]
+    assert verifier.lost_upto == 12 and all(s.resyncs == 1 for s in seqs) and not verifier.records
+
+
+def test_steps_are_sent_ahead_by_default_only_for_a_verifier_on_a_gpu():
+    assert steps_ahead_for("cuda") and not steps_ahead_for("cpu")
+    assert steps_ahead_for("cpu", "on") and not steps_ahead_for("cuda", "off")
+    with pytest.raises(ValueError, match="^steps_ahead: must be auto, on or off, got 'yes'"):
+        steps_ahead_for("cuda", "yes")

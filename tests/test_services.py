@@ -398,6 +398,39 @@ def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, he
         small.stop()
 
 
+def test_a_manager_sending_plain_steps_ahead_gives_the_same_tokens(system, heldout_ids):
+    """A manager with --steps-ahead on (auto leaves it off on a CPU) on the same verifier and
+    speculators: greedy requests with speculation off, one ending on a stop token mid-run (its step
+    ahead dropped) and one admitted while the others decode, give the LLM's own tokens; a seeded
+    sampled request among them gives plain seeded sampling's; the adaptive default stays exact."""
+    extra = System()
+    try:
+        manager = extra.start("manager", "manager_svc", [
+            "--port", "0", "--verifier", system.by_name("verifier").address, "--speculators",
+            ",".join(system.by_name(f"speculator-{i}").address for i in range(2)), "--tokenizer", str(MODELS / "llm"),
+            "--steps-ahead", "on"], 120)
+        prompts = heldout_ids[20:24]
+        want = reference_greedy(prompts, 32)
+        stop = want[1][10]
+        sampled = Request(heldout_ids[3], 40, SamplingParams(temperature=0.8, top_p=0.95, seed=11), ignore_eos=True)
+
+        async def go(speculation):
+            stub = connect(manager.address)
+            calls = [asyncio.ensure_future(generate(stub, request_pb(r, speculation))) for r in
+                     [Request(prompts[0], 32), Request(prompts[1], 32, stop_token_ids=[stop]), sampled]]
+            await asyncio.sleep(0.3)  # a request admitted while the others decode
+            calls.append(asyncio.ensure_future(generate(stub, request_pb(Request(prompts[2], 32), speculation))))
+            return await asyncio.gather(*calls)
+
+        for speculation in ("off", None):
+            first, stopped, seeded, late = asyncio.run(go(speculation))
+            assert first.token_ids == want[0] and late.token_ids == want[2], speculation
+            assert stopped.token_ids == want[1][: want[1].index(stop) + 1] and stopped.finish_reason == "stop"
+            assert seeded.token_ids == seeded_reference(sampled), speculation
+    finally:
+        extra.stop()
+
+
 def test_one_speculator_hosting_both_ssms_merges_their_trees_with_exact_greedy_outputs(system, heldout_ids):
     extra = System()
     try:
@@ -434,12 +467,40 @@ def test_a_verifier_that_lost_a_request_ends_the_step_stream_and_the_whole_recor
             await client.release(["a"])
             with pytest.raises(VerifierLost, match="resend the whole record"):
                 await client.verify([check([], len(record))], [])
-            assert client.steps is None and opened.done()
+            assert client.steps is None and opened.ended
             (second,), _ = await client.verify([check(record, len(record))], [])
-            assert client.steps is not None and not client.steps.done()
+            assert client.steps is not None and not client.steps.ended
             return first.tokens + second.tokens
         finally:
             await client.release(["a"])
             await client.close()
 
     assert asyncio.run(go()) == reference_greedy([prompt], 2)[0]
+
+
+def test_steps_sent_ahead_on_the_step_stream_are_answered_in_order(system, heldout_ids):
+    """The engine sends a plain step before the one it follows is answered: the verifier reads it
+    while that one runs, queues it on the model thread, and answers in order. Three steps sent at
+    once, each asking for the record the one before leaves (its token not known yet), give the LLM's
+    first three tokens, over one stream. A step that follows one whose stream ended is not sent on a
+    new stream (the state it needs may be gone): VerifierLost."""
+    prompt = heldout_ids[1]
+
+    async def go() -> list[int]:
+        client = VerifierClient(system.by_name("verifier").address, 30.0, 4 << 20)
+        try:
+            steps = [asyncio.ensure_future(client.verify([Check("b", new, length, TokenTree(), SamplingParams())], []))
+                     for new, length in ((prompt, len(prompt)), ([], len(prompt) + 1), ([], len(prompt) + 2))]
+            await asyncio.sleep(0)
+            opened = client.steps
+            answers = await asyncio.gather(*steps)
+            assert client.steps is opened and not opened.ended
+            client._drop(opened)
+            with pytest.raises(VerifierLost, match="the step this one follows ended"):
+                await client.verify([Check("b", [], len(prompt) + 3, TokenTree(), SamplingParams())], [], follows=True)
+            return [token for (verified,), _ in answers for token in verified.tokens]
+        finally:
+            await client.release(["b"])
+            await client.close()
+
+    assert asyncio.run(go()) == reference_greedy([prompt], 3)[0]

@@ -8,6 +8,7 @@ same interface.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -38,6 +39,14 @@ PREFIX_QUERIED = Gauge("specinfer_prefix_cache_queried_tokens", "new requests' t
                        "(hit rate = specinfer_prefix_cache_hit_tokens / this)")
 PREFIX_HITS = Gauge("specinfer_prefix_cache_hit_tokens", "of those, the tokens whose KV entries were found there")
 KV_TOTAL = Gauge("specinfer_kv_cache_tokens", "token slots in the paged KV cache pool")
+
+
+def _settled(work: asyncio.Future) -> None:
+    """A model-thread job ended: its error is read (no "never retrieved" log for a step whose stream
+    is gone), and a model-parallel rank that is gone stops the service, so that the group restarts whole
+    (the call that awaited it answers UNAVAILABLE first)."""
+    if not work.cancelled() and isinstance(work.exception(), RankFailed):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def verify_requests(request: verifier_pb2.VerifyRequest, vocab_size: int) -> list[VerifyRequest]:
@@ -82,32 +91,72 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         KV_TOTAL.set(pool.n_blocks * pool.block_size)
 
     async def _on_worker(self, fn, *args):
+        return await self._answer(self._submit(fn, *args))
+
+    def _submit(self, fn, *args) -> asyncio.Future:
+        """Queue fn on the model thread; its future. A step whose answer nobody awaits any more (its
+        stream ended) still settles quietly, and a rank that failed in it still stops the service."""
+        work = self.thread.submit(fn, *args)
+        work.add_done_callback(_settled)
+        return work
+
+    @staticmethod
+    async def _answer(work: asyncio.Future):
         try:
-            return await self.thread.run(fn, *args)
-        except RankFailed as e:  # a model-parallel rank is gone: answer, then stop so the group restarts whole
-            os.kill(os.getpid(), signal.SIGTERM)
+            return await work
+        except RankFailed as e:  # a model-parallel rank is gone (the service stops: _settled)
             raise Abort(grpc.StatusCode.UNAVAILABLE, str(e)) from e
 
     @rpc_errors
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
-        return await self._verify(request)
+        return await self._finish(*self._start(request))
 
     @rpc_errors
     async def VerifyStream(self, requests, context):
-        async for request in requests:
-            yield await self._verify(request)
+        """Steps answered in order. The next message is read, and its step queued on the model thread,
+        while this one runs: a step the manager sent ahead starts the moment this one ends."""
+        started: asyncio.Queue = asyncio.Queue(1)  # steps queued beyond the one being answered: at most 2
+        reader = asyncio.ensure_future(self._start_all(requests, started))
+        try:
+            while (step := await started.get()) is not None:
+                if isinstance(step, Exception):  # a message that is wrong: the stream's status, in its turn
+                    raise step
+                yield await self._finish(*step)
+        finally:  # the stream ended (an error, the manager went away): the steps not begun are not run
+            reader.cancel()
+            while not started.empty():
+                if isinstance(step := started.get_nowait(), tuple):
+                    step[1].cancel()
 
-    async def _verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+    async def _start_all(self, requests, started: asyncio.Queue) -> None:
+        try:
+            async for request in requests:
+                step = self._start(request)
+                try:
+                    await started.put(step)
+                except asyncio.CancelledError:
+                    step[1].cancel()
+                    raise
+        except Exception as e:  # noqa: BLE001 (a wrong message, bytes that do not parse: the stream's end)
+            await started.put(e)
+            return
+        await started.put(None)
+
+    def _start(self, request: verifier_pb2.VerifyRequest) -> tuple[list[VerifyRequest], asyncio.Future]:
+        """The step's requests, and its work queued on the model thread."""
         batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
         lengths = [item.record_length for item in request.items]
-        start = time.perf_counter_ns()
-        verdicts = await self._on_worker(self._step, list(request.release), batch, lengths)
-        step_ns = time.perf_counter_ns() - start
+        return batch, self._submit(self._step, list(request.release), batch, lengths)
+
+    async def _finish(self, batch: list[VerifyRequest], work: asyncio.Future) -> verifier_pb2.VerifyResponse:
+        verdicts, step_ns = await self._answer(work)
         STEP_SECONDS.observe(step_ns / 1e9)
         STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
         return verify_response(batch, verdicts, step_ns)
 
-    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
+    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> tuple[list[Verdict], int]:
+        """The step on the model thread, and its time there (ns)."""
+        start = time.perf_counter_ns()
         now = time.monotonic()
         stale = [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout]
         self._release(release + stale)
@@ -119,7 +168,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"request {req.request_id}: the verifier holds {have} tokens of its record, "
                             f"+{len(req.new_tokens)} new != record_length {length}; resend the whole record")
-        return self.verifier.step(batch)
+        return self.verifier.step(batch), time.perf_counter_ns() - start
 
     @rpc_errors
     async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
