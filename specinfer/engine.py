@@ -21,10 +21,10 @@ next step needs nothing the answer brings: the verifier already holds the token 
 with `steps_ahead` (the manager's, over its client of a verifier service), the engine sends the next
 step before awaiting this one, and the verifier starts it the moment this one ends: the hop, the
 manager's own work and the verifier's protobuf overlap the steps instead of standing between them
-(vLLM's async scheduling does this within one process). The next
-iteration awaits that step and sends the one after it; a request admitted meanwhile joins that one. A
-request that this step finishes had one step too many computed for it, which is dropped. A request
-whose step ahead is dropped unanswered (a failure, a preemption) is resent whole, as after a lost state.
+(vLLM's async scheduling does this within one process). The next iteration awaits that step and
+sends the one after it; a request admitted meanwhile joins that one. A request that this step
+finishes had one step too many computed for it, which is dropped. A request whose step ahead is
+dropped unanswered (a failure, a preemption) is resent whole, as after a lost state.
 
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
@@ -495,14 +495,8 @@ class SpeculativeEngine:
             self.ahead = self._send_ahead(batch, {s.id for s in batch})
         try:
             verified, step_ns = await call
-        except VerifierLost as e:
-            self._drop_ahead()
-            self.verifier_release.update(release)  # a queued step may fail before its releases were applied
-            return self._resync(batch + chunked, e)
-        except VerifierUnavailable as e:
-            self._drop_ahead()
-            self.verifier_release.update(release)
-            return [(s, e) for s in batch + chunked]
+        except (VerifierLost, VerifierUnavailable) as e:
+            return self._failed(batch + chunked, release, e)
         for s, v in zip(chunked, verified[len(batch):]):
             s.verifier_has += chunks[s.id]
             if not s.steps:
@@ -541,14 +535,8 @@ class SpeculativeEngine:
         self.ahead = self._send_ahead([s for s in batch if not s.done], in_flight)
         try:
             verified, step_ns = await ahead.call
-        except VerifierLost as e:
-            self._drop_ahead()
-            self.verifier_release.update(ahead.release)
-            return self._resync([s for s in ahead.seqs if s.id in in_flight], e)
-        except VerifierUnavailable as e:
-            self._drop_ahead()
-            self.verifier_release.update(ahead.release)
-            return [(s, e) for s in ahead.seqs if s.id in in_flight]
+        except (VerifierLost, VerifierUnavailable) as e:
+            return self._failed([s for s in ahead.seqs if s.id in in_flight], ahead.release, e)
         out, outcomes = [], {}
         for s, n, v, why in zip(ahead.seqs, ahead.preemptions, verified, ahead.why):
             if not s.done and s.preemptions == n:  # else cancelled, or preempted and to be resent whole
@@ -571,7 +559,8 @@ class SpeculativeEngine:
             return None
         fits = len(full_trees := self._full_trees(len(seqs)))
         choice = self._choose(len(seqs), full_trees)
-        if (self.drafters or self.lookup) and any(self._plan(s, choice) for s in seqs):
+        plans = {s.id: self._plan(s, choice) for s in seqs}
+        if (self.drafters or self.lookup) and any(plans.values()):
             self.chosen = (len(seqs), choice)  # the next iteration drafts on it
             return None
         # a request whose step in flight is its last is left out (it would emit past max_new_tokens)
@@ -585,7 +574,7 @@ class SpeculativeEngine:
         call.add_done_callback(lambda c: c.cancelled() or c.exception())  # a dropped one's error is no news
         return Ahead(call, sent, [s.preemptions for s in sent], choice, sum(len(c.new_tokens) for c in checks),
                      all(s.id in in_flight for s in sent), release,
-                     ["no drafters configured" if self._plan(s, choice) else self._why_no_plan(s, len(seqs), fits)
+                     ["no drafters configured" if plans[s.id] else self._why_no_plan(s, len(seqs), fits)
                       for s in sent])
 
     def _drop_ahead(self) -> Ahead | None:
@@ -663,6 +652,17 @@ class SpeculativeEngine:
             for u in forced:  # the grammar's drafts: the bit after context lookup's
                 chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
         return chunk
+
+    def _failed(self, batch: list[Sequence], release: list[str], error: VerifierLost | VerifierUnavailable
+                ) -> list[tuple[Sequence, Chunk | Exception]]:
+        """A step failed: the step sent ahead of it is dropped, the releases it carried go again (a
+        queued step may fail before they were applied), and its requests are resent whole (the
+        verifier lost their state) or fail."""
+        self._drop_ahead()
+        self.verifier_release.update(release)
+        if isinstance(error, VerifierLost):
+            return self._resync(batch, error)
+        return [(s, error) for s in batch]
 
     def _resync(self, batch: list[Sequence], error: VerifierLost) -> list[tuple[Sequence, Chunk | Exception]]:
         """The verifier lost request state: resend whole records next step (the step emitted nothing)."""
