@@ -27,8 +27,9 @@ GPU_WHEELS=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.8
             gguf==0.19.0 llguidance==1.9.1)
 
 CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
-            tests/test_specialization.py tests/test_kv_cache.py)  # the CUDA path's: kernels, fused layers, graphs,
-                                                                  # staging, specializations, the KV cache's Triton path
+            tests/test_specialization.py tests/test_kv_cache.py tests/test_chained_steps.py)
+# the CUDA path's: kernels, fused layers, graphs, staging, specializations, the KV cache's Triton
+# path, steps begun behind running ones
 
 gpu_wheels() {  # Python 3.12 wheels of what the GPU image lacks (../shared/GPU.md, KINDS.md's package list)
     local missing=0 w

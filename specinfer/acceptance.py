@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .devices import to_device
 from .draws import coupled_noise, mix, probabilities, sample, uniform
 from .sampling import SamplingParams, stream_key
 from .tree import TokenTree, depths
@@ -69,6 +70,13 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
     """logits [R, V]: request b's rows are row_starts[b] (after the root) and row_starts[b] + 1 + u
     (after node u). positions[b]: the request's record length, which keys its random numbers.
     Returns each request's verdict after one copy of the verdicts to the host."""
+    return verdicts_of(trees, decide_batch(trees, logits, row_starts, sampling, positions))
+
+
+def decide_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[int],
+                 sampling: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    """`verify_batch`'s work on the device, queued and not waited for: [B, 1 + n] long, each
+    request's bonus token, then a flag per tree node (on its accepted path)."""
     n = max((len(t) for t in trees), default=0)
     dev = logits.device
     parts = {_greedy: [], _coupled: [], _stochastic: []}
@@ -84,7 +92,12 @@ def verify_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
         if out is None:
             out = decided
         else:
-            out[torch.tensor(part).to(dev, non_blocking=True)] = decided
+            out[to_device(torch.tensor(part), dev)] = decided
+    return out
+
+
+def verdicts_of(trees: list[TokenTree], out: torch.Tensor) -> list[Verdict]:
+    """The verdicts of `decide_batch`'s output, after one copy to the host."""
     verdicts = []
     for tree, row in zip(trees, out.cpu().tolist()):  # the step's one synchronization
         path = [u for u in range(len(tree)) if row[1 + u]]  # a chain, so index order is root first
@@ -154,7 +167,7 @@ def _build(trees: list[TokenTree], row_starts: list[int], n: int, dev, positions
         parts += [rows[kept], np.where(kept, place, place[:, :1]), (first[:, None] + row_depths)[kept],
                   mix(np.repeat(np.array(keys, dtype=np.int64), levels),
                       np.repeat(np.array(positions, dtype=np.int64), levels) + ahead).astype(np.int64)]
-    flat = torch.from_numpy(np.concatenate([p.ravel() for p in parts])).to(dev, non_blocking=True)
+    flat = to_device(torch.from_numpy(np.concatenate([p.ravel() for p in parts])), dev)
     ends = list(itertools.accumulate(p.size for p in parts))
     sent = [flat[a:b].view(p.shape) for a, b, p in zip([0, *ends], ends, parts)]
     coupled = None
@@ -233,7 +246,7 @@ def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams],
     B, n = t.tokens.shape
     draws = _Draws.build(t, dev)
     keys = [stream_key(s.seed, "verify", pos) for s, pos in zip(sampling, positions)]
-    key = torch.tensor(keys, dtype=torch.long).to(dev, non_blocking=True)
+    key = to_device(torch.tensor(keys, dtype=torch.long), dev)
     walk = _Walk.start(B, n, dev)
     for depth in range(t.depth + 1):
         p = probabilities(logits[walk.rows(t)], sampling).double()  # [B, V] at the current nodes
@@ -243,7 +256,7 @@ def _stochastic(t: _Table, logits: torch.Tensor, sampling: list[SamplingParams],
         start = draws.start.gather(1, walk.cur[:, None])[:, 0]
         count = draws.count.gather(1, walk.cur[:, None])[:, 0]
         widest = draws.widest[depth]
-        counters = torch.tensor([*range(widest), BONUS_DRAW]).to(dev, non_blocking=True)
+        counters = to_device(torch.tensor([*range(widest), BONUS_DRAW]), dev)
         r = uniform(key[:, None], depth, counters)  # [B, widest + 1]: each draw's r, then the bonus's
         for j in range(widest):
             live = (j < count) & ~walk.done & (child < 0)
@@ -314,7 +327,7 @@ class _Draws:
         m = max(1, max(map(len, child)))
         k = max(map(len, q_ids))
         pad = lambda rows, w, v: [r + [v] * (w - len(r)) for r in rows]
-        to = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+        to = lambda x, dtype=torch.long: to_device(torch.tensor(x, dtype=dtype), dev)
         return cls(to(pad(child, m, 0)), to(pad(group, m, 0)), to(pad(first, m, False), torch.bool),
                    to(start), to(count), to(pad(q_ids, k, 0)), to(pad(q_probs, k, 0.0), torch.float64),
                    to(replacement, torch.bool), widest)

@@ -22,3 +22,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[name]
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x (on the host) on `device`, queued without waiting: a copy from pageable memory to a GPU may
+    wait for the work already queued on the stream (CUDA's API synchronization rules), so it goes
+    through pinned memory, which a verifier step begun behind another one needs to stay ahead."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

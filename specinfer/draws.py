@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .devices import to_device
 from .sampling import SamplingParams
 
 
@@ -44,25 +45,25 @@ def probabilities(logits: torch.Tensor, params: SamplingParams | Sequence[Sampli
     rows = [params] * n if isinstance(params, SamplingParams) else list(params)
     assert len(rows) == n and not any(p.greedy for p in rows), "one non-greedy setting per row"
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in rows], dtype=torch.float32).to(dev, non_blocking=True)
+    temperature = to_device(torch.tensor([p.temperature for p in rows], dtype=torch.float32), dev)
     scores = logits.float() / temperature[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in rows]
     if any(ks):  # keep the k highest scores (ties with the k-th kept)
         top = scores.topk(max(ks), dim=-1).values
-        k = torch.tensor(ks).to(dev, non_blocking=True)
+        k = to_device(torch.tensor(ks), dev)
         kth = top.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill(k[:, None] == 0, float("-inf"))
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(dim=-1)
     if any(p.top_p < 1.0 for p in rows):
         # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in rows]).to(dev, non_blocking=True)
+        top_p = to_device(torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in rows]), dev)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = _truncated(probs, drop, top_p < 1.0)
     if any(p.min_p > 0.0 for p in rows):
         # a token stays if it is at least min_p times as likely as the most likely one (which stays)
-        min_p = torch.tensor([p.min_p for p in rows], dtype=torch.float32).to(dev, non_blocking=True)
+        min_p = to_device(torch.tensor([p.min_p for p in rows], dtype=torch.float32), dev)
         probs = _truncated(probs, probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), min_p > 0.0)
     return probs
 

@@ -60,13 +60,14 @@ PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager
 TREE_BUDGETS = {"cpu": 16, "cuda": 256}
 
 
-def steps_ahead_for(device: str, setting: str = "auto") -> bool:
-    """Whether plain steps are sent ahead (module docstring): `setting` "on" or "off", or "auto": on for
-    a verifier on a GPU, whose host waits while the GPU steps; off on a CPU, where the verifier's threads
-    use every core and what the overlap moves beside a step slows the step as much
-    (bench/results/fixtures/steps_ahead_cpu.md). ValueError for another setting."""
+def steps_ahead_for(device: str, setting: str = "auto", name: str = "steps_ahead") -> bool:
+    """Whether plain steps are sent ahead (module docstring), or the verifier begins a step behind the
+    one running (`name` "overlap"): `setting` "on" or "off", or "auto": on for a verifier on a GPU,
+    whose host waits while the GPU steps; off on a CPU, where the verifier's threads use every core and
+    what the overlap moves beside a step slows the step as much (bench/results/fixtures/steps_ahead_cpu.md).
+    ValueError, naming `name`, for another setting."""
     if setting not in ("auto", "on", "off"):
-        raise ValueError(f"steps_ahead: must be auto, on or off, got {setting!r}")
+        raise ValueError(f"{name}: must be auto, on or off, got {setting!r}")
     return setting == "on" or (setting == "auto" and device == "cuda")
 
 

@@ -179,22 +179,29 @@ class StepRunner:
             return self.model.prepare(layout, ids), None, layout.n_rows
         return self.model.prepare(layout, ids, bucket.capacity, bucket.staging), bucket, layout.n_rows
 
-    def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, items: list[StepInput], ids: torch.Tensor | None = None,
+                 fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [R, V] of one forward pass, as `LlamaModel.forward` returns them. After a replay
         they are a view of the runner's one output buffer, valid until its next call: a caller
-        that keeps them across steps must clone them."""
-        if self.mode == "eager" and not self.model.aux_layers:
+        that keeps them across steps must clone them. fill: (where, tokens), device tensors: the
+        batch's token ids at those places (of new tokens and tree nodes, item by item) are these,
+        not the items' (tokens a step before this one decided, still on the device)."""
+        if self.mode == "eager" and not self.model.aux_layers and fill is None:
             self.features = None
             return self.model(items, ids)
         if self.mode == "eager":  # the model's forward as its three calls, to read the step's features
             step = self.model.prepare(self.model.layout(items), ids)
-            logits = self.model.run(step)
+            bucket = rows = None
         else:
             step, bucket, rows = self.prepare(items, ids)
-            if bucket is None or bucket.graph is None:
-                logits = self.model.run(step)[:rows]
-            else:
-                bucket.graph.replay()
-                logits = self.logits[:rows]
+        if fill is not None:
+            where, tokens = fill
+            step.ids[where] = tokens.to(step.ids.dtype)
+        if bucket is None or bucket.graph is None:
+            logits = self.model.run(step)
+            logits = logits if rows is None else logits[:rows]
+        else:
+            bucket.graph.replay()
+            logits = self.logits[:rows]
         self.features = step.features  # with the model's aux_layers (a captured step's: the graph's buffer)
         return logits

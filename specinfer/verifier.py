@@ -14,6 +14,7 @@ path with no speculator at all.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -22,11 +23,12 @@ import torch
 
 from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
+from .devices import to_device
 from .errors import check_token_ids
 from .model import LlamaModel, StepInput, row_starts
 from .sampling import SamplingParams
 from .tree import TokenTree, check_verifiable
-from .acceptance import Verdict, verify_batch
+from .acceptance import Verdict, decide_batch, verdicts_of
 from .logprobs import MAX_TOP, token_logprobs
 from .masks import AllowedTokens
 from .penalties import adjust_logits
@@ -67,7 +69,44 @@ def check_feature_layers(layers, n_layers: int) -> None:
         raise ValueError(f"feature_layers: {list(layers)} are not all layers of the LLM (0..{n_layers - 1})")
 
 
+@dataclass
+class Begun:
+    """A step whose forward pass is queued on the device (`Verifier.begin`) and whose verdicts are
+    not read yet (`Verifier.end`)."""
+
+    batch: list[VerifyRequest]
+    items: list[StepInput]
+    cached: list[int]  # per request, its new tokens found in the prefix cache
+    firsts: list[int]  # per item, the record position of its first row
+    logits: torch.Tensor | None
+    starts: list[int]  # per item, its first row of the logits
+    decided: list[int]  # the requests it decides (a prefill-only chunk decides nothing)
+    placed: dict[str, int]  # the requests whose pending token the step before decides: where it goes in the record
+    roots: list[int] | None = None  # the decision queued on the device (`Verifier._queue`): its root rows,
+    out: torch.Tensor | None = None  # and its verdict table
+    ready: "torch.cuda.Event | None" = None  # recorded once the decision is queued (on a GPU)
+    follower: "Begun | None" = None  # the step begun behind this one, before it ended
+    started_ns: int = 0  # when its caller began it (perf_counter_ns)
+
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        """Each decided request's row of the verdict table (its decision's order)."""
+        return {self.batch[i].request_id: row for row, i in enumerate(self.decided)}
+
+    @functools.cached_property
+    def passes(self) -> set[str]:
+        """The requests this step gives exactly one token (no tree): a step begun behind it may take it."""
+        return {self.batch[i].request_id for i in self.decided if not len(self.batch[i].tree)}
+
+    @functools.cached_property
+    def reads_rows(self) -> bool:
+        """Whether ending it reads its logits or features (logprobs, features asked)."""
+        return any(r.logprobs or r.prompt_logprobs or r.features for r in self.batch)
+
+
 class Verifier:
+    chains = True  # a step may begin behind one not yet ended (`follows`)
+
     def __init__(self, model: LlamaModel, kv_tokens: int = POOL_TOKENS, graphs: GraphConfig = GraphConfig(),
                  progress: bool = False, feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES,
                  prefix_cache: bool = True):
@@ -91,18 +130,39 @@ class Verifier:
         if cache is not None:
             cache.release()
 
-    def _check_room(self, batch: list[VerifyRequest]) -> None:
-        """Raise CacheFull, before anything changes, if the pool cannot hold the step."""
+    def _check_room(self, batch: list[VerifyRequest], takes: set[str]) -> None:
+        """Raise CacheFull, before anything changes, if the pool cannot hold the step (`takes`: the
+        requests whose pending token the step before decides)."""
         need = 0
         for req in batch:
             cache = self.caches.get(req.request_id)
-            slots = (len(cache.tokens) if cache else 0) + len(req.new_tokens) + len(req.tree)
+            slots = (len(cache.tokens) if cache else 0) + (req.request_id in takes) + len(req.new_tokens) + len(req.tree)
             need += cache.blocks_to_grow(slots) if cache else self.pool.blocks_for(slots)
         self.pool.check_room(need)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
+        return self.end(self.begin(batch))
+
+    def follows(self, after: "Begun", batch: list[VerifyRequest], released: list[str]) -> bool:
+        """Whether `batch` may begin behind the step `after` before that one ends (`begin`): every
+        request of both asks no new tokens and takes the one token `after` decides for it, none of
+        `after`'s requests is released, and `after` reads nothing more of its logits or features
+        when it ends (a step begun behind it overwrites them)."""
+        mine = {req.request_id for req in after.batch}
+        if not batch or not self.chains or after.follower is not None or after.reads_rows or not mine.isdisjoint(released):
+            return False
+        return all(not req.new_tokens and req.request_id in after.passes for req in batch if req.request_id in mine)
+
+    def begin(self, batch: list[VerifyRequest], after: "Begun | None" = None) -> "Begun":
+        """Check the batch, extend the caches and queue its forward pass (and, unless it follows a step
+        not yet ended, its decision) on the device; `end` reads its verdicts. With `after` (see
+        `follows`), the requests of both take as their pending token the token `after` decides, from
+        the device: a step begun while the one before still runs on a GPU."""
         if not batch:  # e.g. a message that only releases requests
-            return []
+            return Begun([], [], [], [], None, [], [], {})
+        if after is not None and not self.follows(after, batch, []):
+            raise ValueError("this batch cannot begin before the step it follows ends")
+        takes = {req.request_id for req in batch if after is not None and req.request_id in after.passes}
         vocab = self.model.cfg.vocab_size
         for req in batch:
             check_token_ids(f"new_token_ids (request {req.request_id})", req.new_tokens, vocab)
@@ -124,11 +184,10 @@ class Verifier:
                                      or req.allowed is not None):
                 raise ValueError(f"prefill_only (request {req.request_id}): a chunk decides nothing, so it takes "
                                  f"no tree, features, logprobs or allowed tokens")
-        want_features = any(r.features for r in batch)
-        if want_features and not self.feature_layers:
+        if any(r.features for r in batch) and not self.feature_layers:
             raise ValueError("features: this verifier keeps no features (started without feature layers)")
-        self._check_room(batch)
-        items, cached = [], []
+        self._check_room(batch, takes)
+        items, cached, placed = [], [], {}
         for req in batch:
             cache = self.caches.get(req.request_id)
             new = cache is None
@@ -138,30 +197,70 @@ class Verifier:
             # chunk of a record whose blocks so far all came from there (a prompt whose logprobs are
             # asked computes its rows)
             shares = (new or cache.length == cache.indexed * self.pool.block_size) and len(req.new_tokens) > 1
+            if req.request_id in takes:  # a stand-in until `after` ends; the forward reads the real one on the device
+                placed[req.request_id] = len(cache.tokens)
+                cache.tokens.append(0)
             cache.tokens.extend(req.new_tokens)
             cached.append(cache.share_prefix() if shares and not req.prompt_logprobs else 0)
             if not cache.pending:
                 raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))
         firsts = [it.cache.length for it in items]  # the record position of each item's first row
-        logits, starts = self.forward(items), row_starts(items)
-        if not any(req.prefill_only for req in batch):
-            verdicts = self.decide(batch, logits, starts)
-        else:  # a chunk's verdict is empty: nothing decided, no token pending
-            decided = [i for i, req in enumerate(batch) if not req.prefill_only]
-            verdicts = [Verdict([], []) for _ in batch]
-            for i, v in zip(decided, self.decide([batch[i] for i in decided], logits, [starts[i] for i in decided])
-                            if decided else []):
-                verdicts[i] = v
-        if want_features:
-            self._attach_features(batch, items, verdicts, firsts)
-        for verdict, n in zip(verdicts, cached):
+        if placed:
+            at = [0, *itertools.accumulate(len(it.new_tokens) + len(it.tree_tokens) for it in items)]
+            dst = [at[i] for i, req in enumerate(batch) if req.request_id in placed]
+            src = [after.rows[req.request_id] for req in batch if req.request_id in placed]
+            dev = self.model.device
+            logits = self.run(items, fill=(to_device(torch.tensor(dst), dev), after.out[to_device(torch.tensor(src), dev), 0]))
+        else:
+            logits = self.forward(items)
+        decided = [i for i, req in enumerate(batch) if not req.prefill_only]
+        begun = Begun(batch, items, cached, firsts, logits, row_starts(items), decided, placed)
+        if after is not None:
+            after.follower = begun  # decided when `after` ends: its records hold the real tokens then
+        elif self.chains:
+            self._queue(begun)
+        return begun
+
+    def _queue(self, begun: "Begun") -> None:
+        """Queue the step's decision on the device (read by `end`), and mark when it is done."""
+        batch, starts = begun.batch, begun.starts
+        at = begun.decided
+        if not at:
+            return
+        begun.roots, begun.out = self._decision([batch[i] for i in at], begun.logits, [starts[i] for i in at])
+        if begun.out.is_cuda:
+            begun.ready = torch.cuda.Event()
+            begun.ready.record()
+
+    def end(self, begun: "Begun") -> list[Verdict]:
+        """Wait for the step's verdicts and commit them: the accepted paths' K/V, the tokens to the
+        records (or in place of the stand-ins of the step begun behind it, which is then decided)."""
+        batch, at = begun.batch, begun.decided
+        chosen = [batch[i] for i in at]
+        starts = [begun.starts[i] for i in at]
+        if begun.out is None:
+            decided = self.decide(chosen, begun.logits, starts) if at else []
+        else:
+            decided = self._verdicts(chosen, begun.logits, starts, begun.roots, begun.out)
+        verdicts = [Verdict([], []) for _ in batch]  # a chunk's verdict is empty: nothing decided, no token pending
+        for i, v in zip(at, decided):
+            verdicts[i] = v
+        if any(r.features for r in batch):
+            self._attach_features(batch, begun.items, verdicts, begun.firsts)
+        for verdict, n in zip(verdicts, begun.cached):
             verdict.cached_tokens = n
-        caches = [self.caches[req.request_id] for req in batch]
+        caches = [item.cache for item in begun.items]
         commit_all(caches, [v.path for v in verdicts])
-        for cache, verdict in zip(caches, verdicts):
-            cache.tokens.extend(verdict.tokens)
+        placed = begun.follower.placed if begun.follower is not None else {}
+        for req, cache, verdict in zip(batch, caches, verdicts):
+            if req.request_id in placed:
+                cache.tokens[placed[req.request_id]], = verdict.tokens
+            else:
+                cache.tokens.extend(verdict.tokens)
             cache.register()
+        if begun.follower is not None:
+            self._queue(begun.follower)
         return verdicts
 
     def _attach_features(self, batch: list[VerifyRequest], items: list[StepInput], verdicts: list[Verdict],
@@ -201,14 +300,23 @@ class Verifier:
         """Each request's accepted path and tokens, from its rows of the logits (starting at starts)
         masked to the tokens each row may take (constrained requests), and the logprobs asked for
         (a constrained request's over its masked rows: the distribution its tokens come from)."""
+        return self._verdicts(batch, logits, starts, *self._decision(batch, logits, starts))
+
+    def _decision(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int]) -> tuple[list[int], torch.Tensor]:
+        """`decide`'s work on the device, queued: each request's root row, and the verdict table."""
         roots = [s + (len(r.new_tokens) - 1 if r.prompt_logprobs and r.new_tokens else 0) for r, s in zip(batch, starts)]
         masked = [i for i, r in enumerate(batch) if r.allowed is not None]
         apply_masks(logits, [range(roots[i], roots[i] + 1 + len(batch[i].tree)) for i in masked],
                     [batch[i].allowed for i in masked])
         adjust_logits(logits, roots, [r.tree for r in batch], [self.caches[r.request_id].tokens for r in batch],
                       [r.output_start for r in batch], [r.sampling for r in batch], [r.stop_ids for r in batch])
-        verdicts = verify_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
-                                [len(self.caches[r.request_id].tokens) for r in batch])
+        return roots, decide_batch([r.tree for r in batch], logits, roots, [r.sampling for r in batch],
+                                   [len(self.caches[r.request_id].tokens) for r in batch])
+
+    def _verdicts(self, batch: list[VerifyRequest], logits: torch.Tensor, starts: list[int], roots: list[int],
+                  out: torch.Tensor) -> list[Verdict]:
+        """`decide`'s verdicts from its queued work, read in one copy, with the logprobs asked for."""
+        verdicts = verdicts_of([r.tree for r in batch], out)
         asked = [i for i, r in enumerate(batch) if r.logprobs or r.prompt_logprobs]
         if not asked:
             return verdicts

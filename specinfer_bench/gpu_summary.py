@@ -46,6 +46,9 @@ def runtime(path: Path) -> list[str]:
                          f"{base[g]['step_ms']:.2f} ms {g} (busy {busy(base['eager']['gpu_busy'])} / "
                          f"{busy(base[g]['gpu_busy'])}, launches {base['eager']['launches']} / {base[g]['launches']})"
                          + (f"; trees vs one token ({g}): {trees}" if trees else ""))
+            if chained := base.get("chained"):
+                lines.append(f"  one-token steps begun behind each other ({g}): {chained['step_ms']:.2f} ms a step "
+                             f"(busy {busy(chained['gpu_busy'])})")
             if split := base[g].get("gpu_idle_ms"):
                 lines.append(f"  idle in its one-token step ({g}): " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
             largest = max((t for b, t in rows if b == batch), default=0)

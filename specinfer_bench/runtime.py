@@ -65,7 +65,8 @@ from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.speculator import Speculator
 from specinfer.tree import tree_size
-from specinfer.verifier import Verifier
+from specinfer.sampling import SamplingParams
+from specinfer.verifier import Verifier, VerifyRequest
 
 from .inflate import PRESETS, inflate
 from .ops import count, speculator_draft, verifier_step
@@ -78,6 +79,7 @@ LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 PHASES = ("forward", "decide")  # a verifier's methods whose host time a profiled step tells apart (the rest: "other")
 TOP_KERNELS = 12  # the costliest kinds of device work a row records
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
+CHAINED = 8  # one-token steps in a run of steps begun behind each other
 
 
 def device_activity(fn, owner) -> tuple[int, float, dict[str, float], list]:
@@ -187,6 +189,41 @@ def measure(steps: dict[str, object], owners: dict[str, object], repeats: int, c
     return out
 
 
+def chained_steps(verifier: Verifier, batch: int, temperature: float, prompt_len: int, rng: random.Random):
+    """A function that runs CHAINED one-token steps over `batch` fresh requests (prefilled here with
+    random prompts), each begun behind the one before before that one ends (`Verifier.follows`), as a
+    verifier serving a manager that sends steps ahead runs them, then waits for the device."""
+    vocab = verifier.model.cfg.vocab_size
+    for rid in list(verifier.caches):
+        verifier.release(rid)
+    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
+    verifier.step([VerifyRequest(f"c{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sampling=params[i])
+                   for i in range(batch)])
+
+    def run():
+        steps = lambda: [VerifyRequest(f"c{i}", [], sampling=params[i]) for i in range(batch)]  # noqa: E731
+        begun = verifier.begin(steps())
+        for _ in range(CHAINED - 1):
+            behind = verifier.begin(steps(), begun)
+            verifier.end(begun)
+            begun = behind
+        verifier.end(begun)
+        if verifier.model.device.type == "cuda":
+            torch.cuda.synchronize()
+    return run
+
+
+def measure_chained(verifier: Verifier, batch: int, temperature: float, prompt_len: int, repeats: int,
+                    rng: random.Random, cuda: bool) -> dict:
+    """Per step of a run of CHAINED steps begun behind each other (`chained_steps`, the graphed mode):
+    ms (median of `repeats` runs) and, on CUDA, the GPU's busy share."""
+    run = chained_steps(verifier, batch, temperature, prompt_len, rng)
+    run()  # warm-up
+    busy_ms = device_activity(run, verifier)[1] if cuda else None
+    step_ms = statistics.median(median_ms(run, 1) for _ in range(repeats)) / CHAINED
+    return {"step_ms": step_ms, "gpu_busy": None if busy_ms is None else busy_ms / CHAINED / step_ms}
+
+
 def bucket(runner: StepRunner, tokens: int) -> int | None:
     """Tokens the graphed mode pads a forward of `tokens` tokens to (None: it runs eagerly)."""
     return next((b.capacity.queries for b in runner.buckets if b.capacity.queries >= tokens), None)
@@ -232,6 +269,8 @@ def bench_model(name: str, model: LlamaModel, cases: list[tuple[int, int, float]
             nodes, tokens = tree_size(expansion), [batch * math.prod(expansion[:d]) for d in range(len(expansion))]
         else:
             expansion, nodes, tokens = None, tree, [batch * (1 + tree)]
+        if name != "ssm" and not tree:  # steady decoding: each step begun behind the one before
+            figures["chained"] = measure_chained(owners[modes[1]], batch, temperature, prompt_len, repeats, rng, cuda)
         rows.append({"model": name, "batch": batch, "tree": tree, "temperature": temperature, "expansion": expansion, "nodes": nodes,
                      "tokens": tokens, "padded_tokens": [bucket(graphed, n) for n in tokens],
                      "context_growth": max(growth) / (batch * n_steps), **figures,
@@ -275,6 +314,17 @@ def markdown(result: dict) -> str:
             out.append(f"| {r['model']} | {r['batch']} | {r['tree']} | {r['temperature']:g} | {r[g]['step_ms']:.2f} | "
                        f"{sum(split.values()):.2f} | "
                        + " | ".join(f"{split[p]:.2f}" for p in (*PHASES, "other")) + " |")
+    chained = [r for r in result["rows"] if "chained" in r]
+    if chained:
+        out += ["", f"Steady decoding, {g}: runs of {CHAINED} one-token steps, each begun behind the one before "
+                "before that one's verdicts are read (a verifier with --overlap on, serving a manager that sends steps "
+                "ahead), against one step at a time.", "",
+                "| model | batch | T | one step ms | begun behind ms a step | ratio | GPU busy one / behind |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in chained:
+            c = r["chained"]
+            out.append(f"| {r['model']} | {r['batch']} | {r['temperature']:g} | {r[g]['step_ms']:.2f} | {c['step_ms']:.2f} | "
+                       f"{c['step_ms'] / r[g]['step_ms']:.2f} | {busy(r[g]['gpu_busy'])} / {busy(c['gpu_busy'])} |")
     out += ["", "Models: " + "; ".join(f"{k}: {v['parameters'] / 1e6:.1f}M parameters, {v['layers']} layers, hidden "
                                       f"{v['hidden']}, graphs hold {v['graph_bytes'] / 2**20:.0f} MiB"
                                       for k, v in meta["models"].items())]

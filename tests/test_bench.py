@@ -130,7 +130,12 @@ def test_runtime_benchmark_cpu_run_times_eager_and_static_steps_with_one_sync_pe
         assert math.isfinite(r["graphed_vs_eager"]) and r["padded_tokens"][0] >= r["tokens"][0]
         assert eager["syncs"] == static["syncs"] == 1, r
         assert 1.0 <= r["context_growth"] <= 1.2, "random drafts are rarely accepted: about one token per step"
-    assert "eager vs static" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 10_000
+        # the LLM's one-token steps are also timed begun behind each other (a GPU's steady decoding)
+        assert ("chained" in r) == (r["model"] == "llm" and r["tree"] == 0), r
+        assert "chained" not in r or r["chained"]["step_ms"] > 0 and r["chained"]["gpu_busy"] is None
+    text = out.with_suffix(".md").read_text()
+    assert "eager vs static" in text and "each begun behind the one before" in text
+    assert out.with_suffix(".png").stat().st_size > 10_000
 
 
 def test_runtime_counts_launch_calls_and_the_gpu_time_of_device_events_but_not_their_annotations():
@@ -192,13 +197,15 @@ def test_the_gpu_summary_of_a_runtime_run_says_where_the_gpu_waits_and_what_a_tr
              "graphs": mode(ms, k)} for t, ms, k in ((0, 1.7, [["gemm_small", 64, 0.8], ["attn", 16, 0.1]]),
                                                       (64, 2.4, [["gemm_large", 64, 1.0], ["attn", 16, 0.3]]))]
     rows += [dict(r, temperature=1.0) for r in rows]  # sampled rows: their own lines, labelled
+    rows[0]["chained"] = {"step_ms": 1.25, "gpu_busy": 0.93}  # and the steps begun behind each other (newer runs)
     path = tmp_path / "runtime.json"
     path.write_text(json.dumps({"meta": {"graphed": "graphs"}, "rows": rows}))
     lines = runtime(path)
     assert lines[0].startswith("runtime llm-1b batch 1:") and "trees vs one token (graphs): 64: 1.41x" in lines[0]
-    assert lines[3].startswith("runtime llm-1b T=1 batch 1:") and len(lines) == 6
-    assert lines[1].endswith("forward 0.25 ms, decide 0.30 ms, other 0.12 ms")
-    assert lines[2].endswith("gemm_large +1.000 ms, attn +0.200 ms")
+    assert lines[4].startswith("runtime llm-1b T=1 batch 1:") and len(lines) == 7
+    assert lines[1] == "  one-token steps begun behind each other (graphs): 1.25 ms a step (busy 93%)"
+    assert lines[2].endswith("forward 0.25 ms, decide 0.30 ms, other 0.12 ms")
+    assert lines[3].endswith("gemm_large +1.000 ms, attn +0.200 ms")
 
 
 def test_the_gpu_summary_of_a_kernel_table_names_the_cells_where_the_kernel_is_wrong(tmp_path):

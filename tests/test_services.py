@@ -28,6 +28,7 @@ from specinfer_rpc.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 from .conftest import MODELS, ROOT
 from .services import active_requests, reference_greedy, seeded_reference
+from .test_metrics import scrape, total
 
 VOCAB = json.loads((MODELS / "llm" / "config.json").read_text())["vocab_size"]
 
@@ -398,15 +399,29 @@ def test_past_the_queue_bound_requests_get_resource_exhausted_at_once(system, he
         small.stop()
 
 
-def test_a_manager_sending_plain_steps_ahead_gives_the_same_tokens(system, heldout_ids):
+@pytest.fixture(scope="module")
+def overlapping():
+    """A verifier with --overlap on (auto leaves it off on a CPU): a step sent ahead begins behind the
+    one running, before that one's verdicts are read."""
+    extra = System()
+    extra.start("verifier", "verifier_svc", ["--port", "0", "--metrics-port", "0", "--model", str(MODELS / "llm"),
+                                            "--overlap", "on"], 120)
+    yield extra
+    extra.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential-verifier", "overlapping-verifier"])
+def test_a_manager_sending_plain_steps_ahead_gives_the_same_tokens(system, overlapping, heldout_ids, overlap):
     """A manager with --steps-ahead on (auto leaves it off on a CPU) on the same verifier and
-    speculators: greedy requests with speculation off, one ending on a stop token mid-run (its step
-    ahead dropped) and one admitted while the others decode, give the LLM's own tokens; a seeded
-    sampled request among them gives plain seeded sampling's; the adaptive default stays exact."""
+    speculators, and on a verifier that begins the steps sent ahead behind the running one: greedy
+    requests with speculation off, one ending on a stop token mid-run (its step ahead dropped) and
+    one admitted while the others decode, give the LLM's own tokens; a seeded sampled request among
+    them gives plain seeded sampling's; the adaptive default stays exact."""
+    verifier = (overlapping if overlap else system).by_name("verifier")
     extra = System()
     try:
         manager = extra.start("manager", "manager_svc", [
-            "--port", "0", "--verifier", system.by_name("verifier").address, "--speculators",
+            "--port", "0", "--verifier", verifier.address, "--speculators",
             ",".join(system.by_name(f"speculator-{i}").address for i in range(2)), "--tokenizer", str(MODELS / "llm"),
             "--steps-ahead", "on"], 120)
         prompts = heldout_ids[20:24]
@@ -422,11 +437,14 @@ def test_a_manager_sending_plain_steps_ahead_gives_the_same_tokens(system, heldo
             calls.append(asyncio.ensure_future(generate(stub, request_pb(Request(prompts[2], 32), speculation))))
             return await asyncio.gather(*calls)
 
+        behind = total(scrape(verifier.metrics), "specinfer_verifier_steps_begun_behind_total")
         for speculation in ("off", None):
             first, stopped, seeded, late = asyncio.run(go(speculation))
             assert first.token_ids == want[0] and late.token_ids == want[2], speculation
             assert stopped.token_ids == want[1][: want[1].index(stop) + 1] and stopped.finish_reason == "stop"
             assert seeded.token_ids == seeded_reference(sampled), speculation
+        began = total(scrape(verifier.metrics), "specinfer_verifier_steps_begun_behind_total") - behind
+        assert began > 0 if overlap else began == 0
     finally:
         extra.stop()
 
@@ -478,16 +496,19 @@ def test_a_verifier_that_lost_a_request_ends_the_step_stream_and_the_whole_recor
     assert asyncio.run(go()) == reference_greedy([prompt], 2)[0]
 
 
-def test_steps_sent_ahead_on_the_step_stream_are_answered_in_order(system, heldout_ids):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential-verifier", "overlapping-verifier"])
+def test_steps_sent_ahead_on_the_step_stream_are_answered_in_order(system, overlapping, heldout_ids, overlap):
     """The engine sends a plain step before the one it follows is answered: the verifier reads it
-    while that one runs, queues it on the model thread, and answers in order. Three steps sent at
-    once, each asking for the record the one before leaves (its token not known yet), give the LLM's
-    first three tokens, over one stream. A step that follows one whose stream ended is not sent on a
-    new stream (the state it needs may be gone): VerifierLost."""
+    while that one runs, queues it on the model thread (with --overlap on, begins it behind that
+    one), and answers in order. Three steps sent at once, each asking for the record the one before
+    leaves (its token not known yet), give the LLM's first three tokens, over one stream. A step that
+    follows one whose stream ended is not sent on a new stream (the state it needs may be gone):
+    VerifierLost."""
     prompt = heldout_ids[1]
+    verifier = (overlapping if overlap else system).by_name("verifier")
 
     async def go() -> list[int]:
-        client = VerifierClient(system.by_name("verifier").address, 30.0, 4 << 20)
+        client = VerifierClient(verifier.address, 30.0, 4 << 20)
         try:
             steps = [asyncio.ensure_future(client.verify([Check("b", new, length, TokenTree(), SamplingParams())], []))
                      for new, length in ((prompt, len(prompt)), ([], len(prompt) + 1), ([], len(prompt) + 2))]
@@ -503,4 +524,7 @@ def test_steps_sent_ahead_on_the_step_stream_are_answered_in_order(system, heldo
             await client.release(["b"])
             await client.close()
 
+    behind = total(scrape(verifier.metrics), "specinfer_verifier_steps_begun_behind_total")
     assert asyncio.run(go()) == reference_greedy([prompt], 3)[0]
+    # the second and third steps begin behind the one before, with --overlap on
+    assert total(scrape(verifier.metrics), "specinfer_verifier_steps_begun_behind_total") - behind == (2 if overlap else 0)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specinfer.checkpoints import DEFAULT_LLM
 from specinfer.devices import resolve_device, resolve_dtype
+from specinfer.engine import steps_ahead_for
 from specinfer.model import LlamaModel
 from specinfer.verifier import FEATURE_BYTES, Verifier
 from specinfer_rpc.config import load_config, option
@@ -38,6 +39,8 @@ class VerifierConfig(ModelServerConfig):
                                            "a feature speculator drafts for (an EAGLE-3 head's; empty: none)")
     feature_bytes: int = option(FEATURE_BYTES, "features a step returns at most (beyond it, a prompt's oldest rows "
                                                "are left out; keep it under the manager's --max-message-bytes)")
+    overlap: str = option("auto", "begin a step the manager sent ahead on the device behind the one running, "
+                                  "before that one's verdicts are read (auto: on a GPU; on, off)")
     prefix_cache: bool = option(True, "keep finished requests' full KV blocks, least recently used evicted first when "
                                       "a step needs room, for later prompts that start alike (a chat's next turn, a "
                                       "shared system prompt, a preempted request resuming); off: only live requests share")
@@ -62,7 +65,8 @@ def build(cfg: VerifierConfig) -> Verifier | ParallelVerifier:
 async def main(cfg: VerifierConfig) -> None:
     thread = ModelThread("verifier", cfg.threads, resolve_device(cfg.device))
     verifier = thread.call(build, cfg)
-    servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout, thread)
+    overlap = steps_ahead_for(resolve_device(cfg.device).type, cfg.overlap, "overlap")
+    servicer = VerifierServicer(verifier, Path(cfg.model).name, cfg.idle_timeout, thread, overlap)
     service = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
     try:
         await serve("verifier", cfg, [(verifier_pb2_grpc.add_VerifierServicer_to_server, servicer, service)])

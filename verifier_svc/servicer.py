@@ -9,15 +9,17 @@ same interface.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.acceptance import Verdict
-from specinfer.verifier import Verifier, VerifyRequest
+from specinfer.verifier import Begun, Verifier, VerifyRequest
 from specinfer_rpc.convert import allowed_from_pb, sampling_from_pb, tree_from_pb, validated
 from specinfer_rpc.model_convert import features_to_pb, logprobs_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
@@ -31,6 +33,8 @@ STEP_SECONDS = Histogram("specinfer_verifier_step_seconds", "one batched verify 
                          "verification, KV commit)", buckets=LATENCY_BUCKETS)
 STEP_TOKENS = Histogram("specinfer_verifier_step_tokens", "tokens through the LLM in one step (new tokens + tree nodes)",
                         buckets=SIZE_BUCKETS + (512, 1024, 2048, 4096, 8192))
+BEHIND = Counter("specinfer_verifier_steps_begun_behind_total", "steps begun on the device behind a running step, "
+                 "before its verdicts were read (--overlap)")
 REQUESTS = Gauge("specinfer_verifier_requests", "requests with a KV cache here")
 KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool (the prefix "
                 "cache's included: evicted when a step needs them)")
@@ -75,13 +79,30 @@ def verify_response(batch: list[VerifyRequest], verdicts: list[Verdict], step_ns
         step_ns=step_ns)
 
 
+@dataclass
+class _Lane:
+    """One VerifyStream: its answers in order, and the step it left running on the model thread."""
+
+    loop: asyncio.AbstractEventLoop
+    answers: asyncio.Queue = field(default_factory=asyncio.Queue)
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(3))  # messages read and not answered
+    sent: int = 0  # messages queued on the model thread
+    running: Begun | None = None  # (model thread) begun and not ended
+    closed: bool = False  # the stream ended: messages still queued are not run
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, verifier: Verifier, model_name: str, idle_timeout: float, thread: ModelThread):
+    def __init__(self, verifier: Verifier, model_name: str, idle_timeout: float, thread: ModelThread,
+                 overlap: bool = False):
+        """overlap: a stream's step is left running on the device, for the next one to begin behind it
+        (`Verifier.follows`; only a verifier that `chains`)."""
         self.verifier = verifier
         self.model_name = model_name
         self.idle_timeout = idle_timeout  # a request untouched this long is freed (its manager is gone)
         self.last_used: dict[str, float] = {}
         self.thread = thread  # the one thread that touches the model and the caches
+        self.overlap = overlap and getattr(verifier, "chains", False)
+        self.running: dict[int, tuple[_Lane, Begun]] = {}  # (model thread) the streams' steps left running
         pool = verifier.pool
         REQUESTS.set_function(lambda: len(self.verifier.caches))
         KV_FREE.set_function(lambda: pool.available * pool.block_size)
@@ -109,66 +130,150 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     @rpc_errors
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
-        return await self._finish(*self._start(request))
+        batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
+        lengths = [item.record_length for item in request.items]
+        return self._response(*await self._on_worker(self._step, list(request.release), batch, lengths))
 
     @rpc_errors
     async def VerifyStream(self, requests, context):
-        """Steps answered in order. The next message is read, and its step queued on the model thread,
-        while this one runs: a step the manager sent ahead starts the moment this one ends."""
-        started: asyncio.Queue = asyncio.Queue(1)  # steps queued beyond the one being answered: at most 2
-        reader = asyncio.ensure_future(self._start_all(requests, started))
+        """Steps answered in order. Each message is read, and its step queued on the model thread,
+        while the steps before it run: a step the manager sent ahead starts the moment the one before
+        ends, and with `overlap` it begins on the device behind that one before its verdicts are read
+        (`Verifier.follows`), so that a GPU does not wait for the host between them."""
+        lane = _Lane(asyncio.get_running_loop())
+        reader = asyncio.ensure_future(self._read_all(requests, lane))
         try:
-            while (step := await started.get()) is not None:
-                if isinstance(step, Exception):  # a message that is wrong: the stream's status, in its turn
-                    raise step
-                yield await self._finish(*step)
+            while (answer := await lane.answers.get()) is not None:
+                lane.room.release()
+                if isinstance(answer, RankFailed):  # a model-parallel rank is gone (the service stops: _settled)
+                    raise Abort(grpc.StatusCode.UNAVAILABLE, str(answer))
+                if isinstance(answer, Exception):  # a message that is wrong: the stream's status, in its turn
+                    raise answer
+                yield self._response(*answer)
         finally:  # the stream ended (an error, the manager went away): the steps not begun are not run
             reader.cancel()
-            while not started.empty():
-                if isinstance(step := started.get_nowait(), tuple):
-                    step[1].cancel()
+            lane.closed = True
+            self._submit(self._close, lane)
 
-    async def _start_all(self, requests, started: asyncio.Queue) -> None:
+    async def _read_all(self, requests, lane: "_Lane") -> None:
+        end = None
         try:
             async for request in requests:
-                step = self._start(request)
-                try:
-                    await started.put(step)
-                except asyncio.CancelledError:
-                    step[1].cancel()
-                    raise
+                batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
+                await lane.room.acquire()
+                lane.sent += 1
+                work = self._submit(self._advance, lane, list(request.release), batch,
+                                    [item.record_length for item in request.items])
+                work.add_done_callback(functools.partial(self._watch, lane, lane.sent))
         except Exception as e:  # noqa: BLE001 (a wrong message, bytes that do not parse: the stream's end)
-            await started.put(e)
+            end = e
+        self._submit(self._close, lane, None, end)
+
+    def _watch(self, lane: "_Lane", sent: int, work: asyncio.Future) -> None:
+        """A step left running with no message read after it: end it once its decision is done on the
+        device, unless a step began behind it meanwhile (`_close` then finds it gone)."""
+        if work.cancelled() or work.exception() is not None or (begun := work.result()) is None or lane.sent > sent:
             return
-        await started.put(None)
+        if begun.ready is None:  # nothing runs on its own (a CPU's step is done when it is begun)
+            self._submit(self._close, lane, begun)
+            return
+        done = asyncio.get_running_loop().run_in_executor(None, begun.ready.synchronize)
+        done.add_done_callback(lambda _: lane.closed or self._submit(self._close, lane, begun))
 
-    def _start(self, request: verifier_pb2.VerifyRequest) -> tuple[list[VerifyRequest], asyncio.Future]:
-        """The step's requests, and its work queued on the model thread."""
-        batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
-        lengths = [item.record_length for item in request.items]
-        return batch, self._submit(self._step, list(request.release), batch, lengths)
+    # on the model thread:
 
-    async def _finish(self, batch: list[VerifyRequest], work: asyncio.Future) -> verifier_pb2.VerifyResponse:
-        verdicts, step_ns = await self._answer(work)
-        STEP_SECONDS.observe(step_ns / 1e9)
-        STEP_TOKENS.observe(sum(len(r.new_tokens) + len(r.tree) for r in batch))
-        return verify_response(batch, verdicts, step_ns)
-
-    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> tuple[list[Verdict], int]:
-        """The step on the model thread, and its time there (ns)."""
+    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
+        """A unary step: its batch, its verdicts and its time (ns)."""
         start = time.perf_counter_ns()
+        self._admit(release, batch, lengths, None)
+        return batch, self.verifier.step(batch), time.perf_counter_ns() - start
+
+    def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
+        """The message's step begun: behind the lane's running step if it may follow it (which then
+        ends), else after that one ends. Returns it if it is left running (`overlap`)."""
+        if lane.closed:
+            return None
+        start = time.perf_counter_ns()
+        running, lane.running = lane.running, None
+        try:
+            released = release + self._stale()
+            after = running if running is not None and self.verifier.follows(running, batch, released) else None
+            if running is not None and after is None:
+                ended, running = running, None
+                self._end(lane, ended)
+            self._admit(released, batch, lengths, after)
+            begun = self.verifier.begin(batch, after)
+        except Exception as e:
+            if running is not None:  # the step it was to follow ends first
+                self._end(lane, running)
+            self._put(lane, e)
+            raise
+        begun.started_ns = start
+        if after is not None:
+            BEHIND.inc()
+            self._end(lane, after)
+        if not self.overlap or begun.reads_rows:
+            self._end(lane, begun)
+            return None
+        lane.running = begun
+        self.running[id(begun)] = lane, begun
+        return begun
+
+    def _close(self, lane: "_Lane", begun: Begun | None = None, end: Exception | None | bool = False) -> None:
+        """End the lane's running step (only if it is `begun`, when given: a later message may have
+        taken its place); then, unless `end` is False, the stream's last answer: None or an error."""
+        if lane.running is not None and (begun is None or lane.running is begun):
+            running, lane.running = lane.running, None
+            self._end(lane, running)
+        if end is not False:
+            self._put(lane, end)
+
+    def _end(self, lane: "_Lane", begun: Begun) -> None:
+        self.running.pop(id(begun), None)
+        try:
+            verdicts = self.verifier.end(begun)
+        except Exception as e:
+            self._put(lane, e)
+            raise
+        self._put(lane, (begun.batch, verdicts, time.perf_counter_ns() - begun.started_ns))
+
+    @staticmethod
+    def _put(lane: "_Lane", answer) -> None:
+        """The stream's next answer: (batch, verdicts, step ns), an error, or None (no more)."""
+        lane.loop.call_soon_threadsafe(lane.answers.put_nowait, answer)
+
+    def _stale(self) -> list[str]:
+        """Requests no step touched for `idle_timeout` (their manager is gone), but those in a running step."""
+        now, busy = time.monotonic(), {r.request_id for _, b in self.running.values() for r in b.batch}
+        return [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout and rid not in busy]
+
+    def _end_holding(self, request_ids: set[str], spare: Begun | None = None) -> None:
+        """End the running steps (but `spare`) that hold any of these requests, their answers to their
+        streams: a step or a release of a request must not overtake the step it is in."""
+        for lane, begun in list(self.running.values()):
+            if begun is not spare and any(r.request_id in request_ids for r in begun.batch):
+                lane.running = None
+                self._end(lane, begun)
+
+    def _admit(self, release: list[str], batch: list[VerifyRequest], lengths: list[int], after: Begun | None) -> None:
+        """Release what the message releases, and check that each request's record_length is what
+        this verifier holds, with its new tokens and the token of the step it follows (`after`)."""
+        self._end_holding({req.request_id for req in batch}, after)
+        self._release(release)
         now = time.monotonic()
-        stale = [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout]
-        self._release(release + stale)
         self.last_used.update((req.request_id, now) for req in batch)
         for req, length in zip(batch, lengths):
             cache = self.verifier.caches.get(req.request_id)
-            have = len(cache.tokens) if cache is not None else 0
+            have = (len(cache.tokens) if cache is not None else 0) + (after is not None and req.request_id in after.passes)
             if have + len(req.new_tokens) != length:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"request {req.request_id}: the verifier holds {have} tokens of its record, "
                             f"+{len(req.new_tokens)} new != record_length {length}; resend the whole record")
-        return self.verifier.step(batch), time.perf_counter_ns() - start
+
+    def _response(self, batch: list[VerifyRequest], verdicts: list[Verdict], step_ns: int) -> verifier_pb2.VerifyResponse:
+        STEP_SECONDS.observe(step_ns / 1e9)
+        STEP_TOKENS.observe(sum(max(1, len(r.new_tokens)) + len(r.tree) for r in batch))
+        return verify_response(batch, verdicts, step_ns)
 
     @rpc_errors
     async def Release(self, request: verifier_pb2.ReleaseRequest, context) -> verifier_pb2.ReleaseResponse:
@@ -176,6 +281,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.ReleaseResponse()
 
     def _release(self, request_ids: list[str]) -> None:
+        """Free the requests' caches; a running step that holds any of them ends first."""
+        self._end_holding(set(request_ids))
         for rid in request_ids:
             self.verifier.release(rid)
             self.last_used.pop(rid, None)

@@ -1,0 +1,118 @@
+"""Steps begun behind a step not yet ended (specinfer/verifier.py: `Verifier.follows`, `begin`,
+`end`): a verifier on a GPU queues the next plain step, its pending tokens read on the device from
+the step before's decision, before it reads that step's verdicts. On the CPU a step is done when it
+is begun, so what is checked there is the bookkeeping; on a GPU (bench/gpu_first_run.sh runs these
+natively, with CUDA graphs too) the steps really overlap. The tokens, the records and the prefix
+cache are those of the same steps run one after another, greedy, seeded sampled and with the
+penalties that read the record (decided once the step before has ended), in the eager and the
+padded static-buffer forward, with a request joining midway; and a step that cannot follow is
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specinfer.graphs import GraphConfig
+from specinfer.model import LlamaModel
+from specinfer.sampling import SamplingParams
+from specinfer.tree import TokenTree
+from specinfer.verifier import Verifier, VerifyRequest
+
+from .conftest import MODELS
+
+STEPS = 12
+SETTINGS = [SamplingParams(),
+            SamplingParams(0.8, top_p=0.9, seed=7),
+            SamplingParams(1.0, seed=3, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.4,
+                           logit_bias=((5, 2.0),)),
+            SamplingParams(repetition_penalty=1.5)]
+MODES = {"eager": GraphConfig(mode="eager"),
+         "static": GraphConfig(mode="static", max_tokens=64, max_batch=8, max_tree=64, max_context=256)}
+
+
+CUDA = torch.cuda.is_available()
+if CUDA:  # where a step really runs while the host begins the next: CUDA graphs, and the eager forward
+    MODES["graphs"] = GraphConfig(mode="graphs", max_tokens=64, max_batch=8, max_tree=64, max_context=256)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LlamaModel:
+    return LlamaModel.from_pretrained(MODELS / "llm", device="cuda" if CUDA else "cpu")
+
+
+def plain(rid: str, tokens: list[int] = ()) -> VerifyRequest:
+    return VerifyRequest(rid, list(tokens), sampling=SETTINGS[int(rid) % len(SETTINGS)], output_start=0)
+
+
+def batches(prompts: list[list[int]]):
+    """Each step's batch: every request's next token, and at step 4 one more request's prompt."""
+    for k in range(STEPS):
+        batch = [plain(str(i)) for i in range(len(prompts) - 1)]
+        if k == 4:
+            batch.append(plain(str(len(prompts) - 1), prompts[-1]))
+        elif k > 4:
+            batch.append(plain(str(len(prompts) - 1)))
+        yield batch
+
+
+def generate(verifier: Verifier, prompts: list[list[int]], chained: bool) -> dict[str, list[int]]:
+    out = {str(i): [] for i in range(len(prompts))}
+    verifier.step([plain(str(i), p) for i, p in enumerate(prompts[:-1])])
+    steps = list(batches(prompts))
+    if not chained:
+        for batch in steps:
+            for req, v in zip(batch, verifier.step(batch)):
+                out[req.request_id] += v.tokens
+        return out
+    begun = verifier.begin(steps[0])
+    for batch in steps[1:]:
+        assert verifier.follows(begun, batch, [])
+        behind = verifier.begin(batch, begun)
+        for req, v in zip(begun.batch, verifier.end(begun)):
+            out[req.request_id] += v.tokens
+        begun = behind
+    for req, v in zip(begun.batch, verifier.end(begun)):
+        out[req.request_id] += v.tokens
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_begun_behind_unended_ones_give_the_tokens_and_records_of_steps_one_after_another(llm, heldout_ids, mode):
+    prompts = [p[:40] for p in heldout_ids[:5]]
+    one = Verifier(llm, 8192, MODES[mode])
+    want = generate(one, prompts, chained=False)
+    two = Verifier(llm, 8192, MODES[mode])
+    got = generate(two, prompts, chained=True)
+    assert got == want
+    assert all(len(t) == STEPS for rid, t in want.items() if rid != "4") and len(want["4"]) == STEPS - 4
+    for rid, cache in one.caches.items():
+        theirs = two.caches[rid]
+        assert (theirs.tokens, theirs.length, theirs.indexed, theirs.key) == (cache.tokens, cache.length,
+                                                                           cache.indexed, cache.key)
+    assert set(one.pool.prefix) == set(two.pool.prefix)
+
+
+def test_a_step_that_cannot_take_the_token_of_the_step_before_does_not_follow_it(llm, heldout_ids):
+    verifier = Verifier(llm, 8192, MODES["eager"])
+    prompts = [p[:20] for p in heldout_ids[:2]]
+    verifier.step([plain(str(i), p) for i, p in enumerate(prompts)])
+    begun = verifier.begin([plain("0"), plain("1")])
+    assert verifier.follows(begun, [plain("0")], [])  # a request may leave
+    assert verifier.follows(begun, [plain("0"), plain("1"), plain("2", [1, 2, 3])], [])  # or join
+    assert not verifier.follows(begun, [plain("0", [4]), plain("1")], [])  # tokens of its own: its record moves
+    assert not verifier.follows(begun, [plain("0")], ["1"])  # one of the step's requests released
+    assert not verifier.follows(begun, [], [])
+    with pytest.raises(ValueError, match="cannot begin before the step it follows ends"):
+        verifier.begin([plain("0", [4])], begun)
+    verifier.end(begun)
+
+    asks = verifier.begin([plain("0"), VerifyRequest("1", [], logprobs=True)])  # ending it reads its logits
+    assert asks.reads_rows and not verifier.follows(asks, [plain("0")], [])
+    verifier.end(asks)
+    tree = verifier.begin([plain("0"), VerifyRequest("1", [], TokenTree([3, 4], [-1, 0]))])  # its token count is open
+    assert verifier.follows(tree, [plain("0")], []) and not verifier.follows(tree, [plain("1")], [])
+    behind = verifier.begin([plain("0")], tree)
+    assert not verifier.follows(tree, [plain("0")], [])  # one step behind another at most
+    verifier.end(tree)
+    verifier.end(behind)
