@@ -44,6 +44,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from .devices import to_device
 from .errors import CacheFull
 from .tree import TokenTree
 
@@ -177,7 +178,7 @@ class KVPool:
         if not src:
             return
         dst = [s for m in moves for s in m[1]]
-        index = torch.tensor([src, dst], dtype=torch.long).to(self.k.device, non_blocking=True)
+        index = to_device(torch.tensor([src, dst], dtype=torch.long), self.k.device)
         for cache in (self.k, self.v):
             flat = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, blocks * block_size, Hkv, D]
             flat[:, index[1]] = flat[:, index[0]]

@@ -200,6 +200,8 @@ def apply_tensor_parallel(model: LlamaModel, layout: RankLayout, group) -> None:
 class PipelineVerifier(Verifier):
     """One rank's verifier: its stage of the model, its shard of every request's KV cache."""
 
+    chains = False  # its steps run one at a time: every rank meets every step's collectives
+
     def __init__(self, model: LlamaModel, kv_tokens: int, layout: RankLayout, n_layers: int,
                  feature_layers: tuple[int, ...] = (), feature_bytes: int = FEATURE_BYTES, prefix_cache: bool = True):
         """n_layers: the whole LLM's; feature_layers: of the whole LLM (`Verifier`)."""

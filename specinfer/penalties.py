@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import to_device
 from .sampling import SamplingParams
 from .tree import TokenTree, depths
 
@@ -52,7 +53,7 @@ def adjust_logits(logits: torch.Tensor, roots: list[int], trees: list[TokenTree]
             path_tokens += path
         done = len(record) - output_starts[i]
         generated += [done, *(done + d for d in depths(tree.parents))]
-    owner_t = torch.tensor(owner, device=dev)
+    owner_t = to_device(torch.tensor(owner), dev)
     # per request over the vocabulary: generated-token counts and prompt-or-output presence
     base_ids = [(k, t) for k, i in enumerate(asked) for t in records[i][output_starts[i]:]]
     seen_ids = [(k, t) for k, i in enumerate(asked) for t in records[i]]
@@ -61,11 +62,12 @@ def adjust_logits(logits: torch.Tensor, roots: list[int], trees: list[TokenTree]
     along = _counts(len(rows), vocab, list(zip(path_rows, path_tokens)), dev)  # each row's path
     counts += along
     seen += along
-    x = logits[torch.tensor(rows, device=dev)].float()  # [n_rows, V]
+    at = to_device(torch.tensor(rows), dev)
+    x = logits[at].float()  # [n_rows, V]
 
     allowed = [(k, t) for k, i in enumerate(asked) for t in sampling[i].allowed_token_ids]
     if allowed:
-        limited = torch.tensor([bool(sampling[i].allowed_token_ids) for i in asked], device=dev)[owner_t]
+        limited = to_device(torch.tensor([bool(sampling[i].allowed_token_ids) for i in asked]), dev)[owner_t]
         barred = limited[:, None] & (_counts(len(asked), vocab, allowed, dev)[owner_t] == 0)
         x = x.masked_fill(barred, float("-inf"))
 
@@ -79,20 +81,20 @@ def adjust_logits(logits: torch.Tensor, roots: list[int], trees: list[TokenTree]
     if bias:
         table = torch.zeros(len(asked), vocab, device=dev)
         k, t, b = zip(*bias)
-        table[list(k), list(t)] = torch.tensor(b, device=dev)
+        table[to_device(torch.tensor(k), dev), to_device(torch.tensor(t), dev)] = to_device(torch.tensor(b), dev)
         x += table[owner_t]
-    per_row = torch.tensor([[sampling[asked[k]].repetition_penalty, sampling[asked[k]].frequency_penalty,
-                             sampling[asked[k]].presence_penalty] for k in owner], device=dev)
+    per_row = to_device(torch.tensor([[sampling[asked[k]].repetition_penalty, sampling[asked[k]].frequency_penalty,
+                                       sampling[asked[k]].presence_penalty] for k in owner]), dev)
     r, f, p = per_row[:, 0:1], per_row[:, 1:2], per_row[:, 2:3]
     x = torch.where(seen > 0, torch.where(x > 0, x / r, x * r), x)
     x -= f * counts + p * (counts > 0)
-    logits[torch.tensor(rows, device=dev)] = x.to(logits.dtype)
+    logits[at] = x.to(logits.dtype)
 
 
 def _counts(n: int, vocab: int, pairs: list[tuple[int, int]], dev: torch.device) -> torch.Tensor:
     """[n, V] float32: how often each (row, token) pair occurs."""
     out = torch.zeros(n, vocab, device=dev)
     if pairs:
-        at = torch.tensor(pairs, device=dev)
+        at = to_device(torch.tensor(pairs), dev)
         out.index_put_((at[:, 0], at[:, 1]), torch.ones(len(pairs), device=dev), accumulate=True)
     return out

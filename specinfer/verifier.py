@@ -84,7 +84,8 @@ class Begun:
     placed: dict[str, int]  # the requests whose pending token the step before decides: where it goes in the record
     roots: list[int] | None = None  # the decision queued on the device (`Verifier._queue`): its root rows,
     out: torch.Tensor | None = None  # and its verdict table
-    ready: "torch.cuda.Event | None" = None  # recorded once the decision is queued (on a GPU)
+    copied: torch.Tensor | None = None  # (on a GPU) the table's copy on the host, valid once `ready`
+    ready: "torch.cuda.Event | None" = None  # (on a GPU) recorded after that copy was queued
     follower: "Begun | None" = None  # the step begun behind this one, before it ended
     started_ns: int = 0  # when its caller began it (perf_counter_ns)
 
@@ -144,14 +145,17 @@ class Verifier:
         return self.end(self.begin(batch))
 
     def follows(self, after: "Begun", batch: list[VerifyRequest], released: list[str]) -> bool:
-        """Whether `batch` may begin behind the step `after` before that one ends (`begin`): every
-        request of both asks no new tokens and takes the one token `after` decides for it, none of
-        `after`'s requests is released, and `after` reads nothing more of its logits or features
-        when it ends (a step begun behind it overwrites them)."""
+        """Whether `batch` may begin behind the step `after` before that one ends (`begin`): `after`'s
+        decision is queued, every request of both asks no new tokens and no tree and takes the one
+        token `after` decides for it (`after` ending commits no tree of its own: its scratch is
+        theirs now), none of `after`'s requests is released, and `after` reads nothing more of its
+        logits or features when it ends (a step begun behind it overwrites them)."""
         mine = {req.request_id for req in after.batch}
-        if not batch or not self.chains or after.follower is not None or after.reads_rows or not mine.isdisjoint(released):
+        if (not batch or not self.chains or after.out is None or after.follower is not None or after.reads_rows
+                or not mine.isdisjoint(released)):
             return False
-        return all(not req.new_tokens and req.request_id in after.passes for req in batch if req.request_id in mine)
+        return all(not req.new_tokens and not len(req.tree) and req.request_id in after.passes
+                   for req in batch if req.request_id in mine)
 
     def begin(self, batch: list[VerifyRequest], after: "Begun | None" = None) -> "Begun":
         """Check the batch, extend the caches and queue its forward pass (and, unless it follows a step
@@ -184,6 +188,9 @@ class Verifier:
                                      or req.allowed is not None):
                 raise ValueError(f"prefill_only (request {req.request_id}): a chunk decides nothing, so it takes "
                                  f"no tree, features, logprobs or allowed tokens")
+            cache = self.caches.get(req.request_id)
+            if not req.new_tokens and req.request_id not in takes and (cache is None or cache.length == len(cache.tokens)):
+                raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
         if any(r.features for r in batch) and not self.feature_layers:
             raise ValueError("features: this verifier keeps no features (started without feature layers)")
         self._check_room(batch, takes)
@@ -202,8 +209,6 @@ class Verifier:
                 cache.tokens.append(0)
             cache.tokens.extend(req.new_tokens)
             cached.append(cache.share_prefix() if shares and not req.prompt_logprobs else 0)
-            if not cache.pending:
-                raise ValueError(f"request {req.request_id}: nothing to decode (empty prompt?)")
             items.append(StepInput(cache, cache.pending, req.tree.tokens, req.tree.parents, req.prompt_logprobs))
         firsts = [it.cache.length for it in items]  # the record position of each item's first row
         if placed:
@@ -229,8 +234,9 @@ class Verifier:
         if not at:
             return
         begun.roots, begun.out = self._decision([batch[i] for i in at], begun.logits, [starts[i] for i in at])
-        if begun.out.is_cuda:
-            begun.ready = torch.cuda.Event()
+        if begun.out.is_cuda:  # its copy to the host queued now, ahead of whatever begins behind it on the stream
+            begun.copied = begun.out.to("cpu", non_blocking=True)  # (into pinned memory)
+            begun.ready = torch.cuda.Event(blocking=True)  # (its waiters sleep rather than spin)
             begun.ready.record()
 
     def end(self, begun: "Begun") -> list[Verdict]:
@@ -242,7 +248,10 @@ class Verifier:
         if begun.out is None:
             decided = self.decide(chosen, begun.logits, starts) if at else []
         else:
-            decided = self._verdicts(chosen, begun.logits, starts, begun.roots, begun.out)
+            if begun.ready is not None:  # not `out.cpu()`: that would wait for a step begun behind this one
+                begun.ready.synchronize()
+            decided = self._verdicts(chosen, begun.logits, starts, begun.roots,
+                                     begun.out if begun.copied is None else begun.copied)
         verdicts = [Verdict([], []) for _ in batch]  # a chunk's verdict is empty: nothing decided, no token pending
         for i, v in zip(at, decided):
             verdicts[i] = v
@@ -350,10 +359,10 @@ def apply_masks(logits: torch.Tensor, rows: list[list[int]], allowed: list[Allow
     if not allowed:
         return
     dev, vocab = logits.device, logits.shape[1]
-    table = torch.from_numpy(np.concatenate([a.words for a in allowed])).to(dev, non_blocking=True)
+    table = to_device(torch.from_numpy(np.concatenate([a.words for a in allowed])), dev)
     offsets = np.cumsum([0] + [len(a.words) for a in allowed[:-1]])
-    which = torch.tensor([o + k for o, a in zip(offsets, allowed) for k in a.index], device=dev)
-    at = torch.tensor([r for rs in rows for r in rs], device=dev)
+    which = to_device(torch.tensor([o + k for o, a in zip(offsets, allowed) for k in a.index]), dev)
+    at = to_device(torch.tensor([r for rs in rows for r in rs]), dev)
     bits = (table[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1  # [K, W, 32]
     ok = bits.reshape(len(table), -1)[:, :vocab].bool()  # [K, V]
     logits[at] = logits[at].masked_fill(~ok[which], float("-inf"))

@@ -76,7 +76,8 @@ MODELS = ("llm", "llm-1b", "ssm")
 SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size -> the SSM's draft
 CPU_ONLY = {"llm-1b": ({1}, {0, 16})}  # model -> (batches, trees) the CPU run measures of it
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
-PHASES = ("forward", "decide")  # a verifier's methods whose host time a profiled step tells apart (the rest: "other")
+# the phases of a verifier's step whose host time a profiled step tells apart (the rest: "other"), by its methods
+PHASES = {"forward": ("forward",), "decide": ("_decision", "_verdicts")}
 TOP_KERNELS = 12  # the costliest kinds of device work a row records
 CONTEXT_MARGIN = 256  # slots per request beyond prompt and tree: the growth a row's steps may add
 CHAINED = 8  # one-token steps in a run of steps begun behind each other
@@ -94,17 +95,17 @@ def device_activity(fn, owner) -> tuple[int, float, dict[str, float], list]:
 
 @contextmanager
 def phase_ranges(owner):
-    """The owner's PHASES methods (those it has) inside profiler ranges named phase.NAME meanwhile."""
-    names = [name for name in PHASES if hasattr(owner, name)]
-    for name in names:
-        def ranged(*args, _method=getattr(owner, name), _name=name, **kwargs):
-            with record_function(f"phase.{_name}"):
+    """The owner's PHASES methods (those it has) inside profiler ranges named phase.PHASE meanwhile."""
+    names = [(phase, name) for phase, methods in PHASES.items() for name in methods if hasattr(owner, name)]
+    for phase, name in names:
+        def ranged(*args, _method=getattr(owner, name), _phase=phase, **kwargs):
+            with record_function(f"phase.{_phase}"):
                 return _method(*args, **kwargs)
         setattr(owner, name, ranged)  # an instance attribute, over the class's method
     try:
         yield
     finally:
-        for name in names:
+        for _, name in names:
             delattr(owner, name)
 
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from specinfer_bench.runtime import activity, idle, phase_ranges, top_kernels
+from specinfer.verifier import Verifier
+from specinfer_bench.runtime import PHASES, activity, idle, phase_ranges, top_kernels
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
 from .conftest import MODELS, ROOT
@@ -171,19 +172,23 @@ def test_runtime_splits_the_gpus_idle_time_by_the_host_phase_it_fell_in():
     events.append(event(5, "argmax", 700, 760, DeviceType.CUDA))
     assert top_kernels(events, 1) == [("gemm", 1, 0.2)] and top_kernels(events)[1] == ("argmax", 2, 0.16)
 
-    class Owner:
+    class Owner:  # a verifier's step: its forward, then its decision queued and its verdicts read
         def forward(self, x):
             return x + 1
 
-        def decide(self, x):
+        def _decision(self, x):
             return x * 2
+
+        def _verdicts(self, x):
+            return x - 1
 
     owner = Owner()
     with phase_ranges(owner), profile(activities=[ProfilerActivity.CPU]) as prof:
-        assert owner.decide(owner.forward(1)) == 4
+        assert owner._verdicts(owner._decision(owner.forward(1))) == 3
     names = [e.name for e in prof.events()]
-    assert names.count("phase.forward") == 1 and names.count("phase.decide") == 1
-    assert "forward" not in vars(owner) and "decide" not in vars(owner), "the class's methods again after the step"
+    assert names.count("phase.forward") == 1 and names.count("phase.decide") == 2
+    assert not {"forward", "_decision", "_verdicts"} & set(vars(owner)), "the class's methods again after the step"
+    assert set(PHASES["decide"]) <= set(vars(Verifier)), "the phases name the verifier's own methods"
 
 
 def test_the_gpu_summary_of_a_runtime_run_says_where_the_gpu_waits_and_what_a_tree_adds(tmp_path):

@@ -101,10 +101,16 @@ def test_a_step_that_cannot_take_the_token_of_the_step_before_does_not_follow_it
     assert verifier.follows(begun, [plain("0")], [])  # a request may leave
     assert verifier.follows(begun, [plain("0"), plain("1"), plain("2", [1, 2, 3])], [])  # or join
     assert not verifier.follows(begun, [plain("0", [4]), plain("1")], [])  # tokens of its own: its record moves
+    # a tree of its own (ending the step before drops its scratch tree)
+    assert not verifier.follows(begun, [VerifyRequest("0", [], TokenTree([3], [-1])), plain("1")], [])
     assert not verifier.follows(begun, [plain("0")], ["1"])  # one of the step's requests released
     assert not verifier.follows(begun, [], [])
     with pytest.raises(ValueError, match="cannot begin before the step it follows ends"):
         verifier.begin([plain("0", [4])], begun)
+    records = {rid: list(c.tokens) for rid, c in verifier.caches.items()}
+    with pytest.raises(ValueError, match="request 9: nothing to decode"):  # refused before any record changes
+        verifier.begin([plain("0"), plain("9")], begun)
+    assert {rid: c.tokens for rid, c in verifier.caches.items()} == records and begun.follower is None
     verifier.end(begun)
 
     asks = verifier.begin([plain("0"), VerifyRequest("1", [], logprobs=True)])  # ending it reads its logits
@@ -114,5 +120,6 @@ def test_a_step_that_cannot_take_the_token_of_the_step_before_does_not_follow_it
     assert verifier.follows(tree, [plain("0")], []) and not verifier.follows(tree, [plain("1")], [])
     behind = verifier.begin([plain("0")], tree)
     assert not verifier.follows(tree, [plain("0")], [])  # one step behind another at most
+    assert not verifier.follows(behind, [plain("0")], [])  # nor behind one whose decision waits for that one
     verifier.end(tree)
     verifier.end(behind)

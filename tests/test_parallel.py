@@ -45,8 +45,8 @@ def batches() -> list[list[VerifyRequest]]:
 def captured_logits(verifier) -> list[torch.Tensor]:
     """Run the batches; return the logits [R, V] each step decided on (None where this rank has none)."""
     seen = []
-    decide = verifier.decide
-    verifier.decide = lambda batch, logits, starts: (seen.append(logits), decide(batch, logits, starts))[1]
+    forward = verifier.forward
+    verifier.forward = lambda items: (seen.append(logits := forward(items)), logits)[1]
     for batch in batches():
         verifier.step(batch)
     return seen

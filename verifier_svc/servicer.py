@@ -183,15 +183,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # on the model thread:
 
     def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
-        """A unary step: its batch, its verdicts and its time (ns)."""
+        """A step begun and ended: its batch, its verdicts and its time (ns)."""
         start = time.perf_counter_ns()
-        self._admit(release, batch, lengths, None)
+        self._admit(release + self._stale(), batch, lengths, None)
         return batch, self.verifier.step(batch), time.perf_counter_ns() - start
 
     def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
-        """The message's step begun: behind the lane's running step if it may follow it (which then
-        ends), else after that one ends. Returns it if it is left running (`overlap`)."""
+        """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
+        it may follow it (which then ends), else after that one ends, and left running (unless ending
+        it reads its logits). Returns the step left running."""
         if lane.closed:
+            return None
+        if not self.overlap:
+            try:
+                self._put(lane, self._step(release, batch, lengths))
+            except Exception as e:
+                self._put(lane, e)
+                raise
             return None
         start = time.perf_counter_ns()
         running, lane.running = lane.running, None
@@ -211,8 +219,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         begun.started_ns = start
         if after is not None:
             BEHIND.inc()
-            self._end(lane, after)
-        if not self.overlap or begun.reads_rows:
+            try:
+                self._end(lane, after)
+            except Exception:  # (its stream has the error) what began behind it is not to be trusted either
+                for req in begun.batch:
+                    self.verifier.release(req.request_id)
+                raise
+        if begun.reads_rows:
             self._end(lane, begun)
             return None
         lane.running = begun
@@ -253,7 +266,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for lane, begun in list(self.running.values()):
             if begun is not spare and any(r.request_id in request_ids for r in begun.batch):
                 lane.running = None
-                self._end(lane, begun)
+                try:
+                    self._end(lane, begun)
+                except Exception:  # noqa: BLE001 (the error went to that step's own stream)
+                    pass
 
     def _admit(self, release: list[str], batch: list[VerifyRequest], lengths: list[int], after: Begun | None) -> None:
         """Release what the message releases, and check that each request's record_length is what
