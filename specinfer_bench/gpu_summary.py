@@ -158,8 +158,10 @@ def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
                                + (f" (goal >= {goal}x: {met(vs >= goal)})" if goals and not control else ""))
     parts = "; ".join(f"{config} {r[f'{split}_verify_ms']:.1f}/{r[f'{split}_draft_ms']:.1f}/{r[f'{split}_overhead_ms']:.1f}"
                       for config, r in at.items())
+    behind = ", ".join(f"{config} {r['verifier_begun_behind']:.0f}" for config, r in at.items() if "verifier_begun_behind" in r)
     return (f"  {where} {c} stream{'s' * (c > 1)}: " + ", ".join(figures)
-            + f"; ms per iteration verifier/speculator/{split}: {parts}")
+            + f"; ms per iteration verifier/speculator/{split}: {parts}"
+            + (f"; verifier steps begun behind the running one, per run: {behind}" if behind else ""))
 
 
 def controller(row: dict) -> str:

@@ -35,9 +35,11 @@ import json
 import statistics
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from manager_svc.__main__ import ManagerConfig
@@ -164,6 +166,13 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
     return reference, rows
 
 
+def steps_begun_behind(metrics: str) -> float:
+    """The verifier's count of steps begun behind a running one (--overlap), from its /metrics URL."""
+    text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "specinfer_verifier_steps_begun_behind_total")
+
+
 def manager_stats(log: Path) -> dict:
     """A manager's last scheduler stats from its log, with its adaptive controller's (`controller`: per batch
     size, the choices made and every option's predicted rate) where it logged them."""
@@ -195,8 +204,8 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
             raise ValueError(f"--head: the heads read different layers of the LLM ({layers})")
         features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
         start = time.perf_counter()
-        verifier = system.start("verifier", "verifier_svc",
-                                ["--port", "0", "--model", str(llm), "--dtype", dtype, *features], 120)
+        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--metrics-port", "0", "--model", str(llm),
+                                                             "--dtype", dtype, *features], 120)
         specs = [system.start(f"speculator-{i}", "speculator_svc",
                               ["--port", "0", "--ssm", str(d), "--threads", "1", "--dtype", dtype], 120)
                  for i, d in enumerate(ssms)]
@@ -223,13 +232,15 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
                 sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[1:])
                 at = r * c * requests_per_stream % len(prompts)  # this round's prompts: the next ones
+                behind = steps_begun_behind(verifier.metrics)
                 report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
                                               max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling,
                                               top_logprobs=LOGPROBS_TOP if "logprobs" in config.split("@")[1:] else None))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
-                runs.setdefault((config, c), []).append(report.summary())
+                runs.setdefault((config, c), []).append(
+                    {**report.summary(), "verifier_begun_behind": steps_begun_behind(verifier.metrics) - behind})
                 bar.update()
         bar.close()
     finally:

@@ -2,7 +2,7 @@
 `end`): a verifier on a GPU queues the next plain step, its pending tokens read on the device from
 the step before's decision, before it reads that step's verdicts. On the CPU a step is done when it
 is begun, so what is checked there is the bookkeeping; on a GPU (bench/gpu_first_run.sh runs these
-natively, with CUDA graphs too) the steps really overlap. The tokens, the records and the prefix
+natively, with CUDA graphs too) steps through graphs really overlap. The tokens, the records and the prefix
 cache are those of the same steps run one after another, greedy, seeded sampled and with the
 penalties that read the record (decided once the step before has ended), in the eager and the
 padded static-buffer forward, with a request joining midway; and a step that cannot follow is
@@ -32,8 +32,9 @@ MODES = {"eager": GraphConfig(mode="eager"),
 
 
 CUDA = torch.cuda.is_available()
-if CUDA:  # where a step really runs while the host begins the next: CUDA graphs, and the eager forward
+if CUDA:  # where a step really runs while the host begins the next: CUDA graphs (an eager step's inputs come
     MODES["graphs"] = GraphConfig(mode="graphs", max_tokens=64, max_batch=8, max_tree=64, max_context=256)
+    # from pageable memory: that copy waits for the step before, so eager steps are checked, not overlapped)
 
 
 @pytest.fixture(scope="module")

@@ -57,3 +57,11 @@ def test_the_summary_says_what_each_managers_controller_chose_and_predicted_at_i
     assert ("controller, 2,1,1@256 at 1 streams, batch 1: chose none x90, trees 1 x4; "
             "predicted tok/s none 210, trees 1 150") in text
     assert "controller, 2,1,1@256 at 16 streams, batch 15: chose trees 3 x20" in text  # the batch size it ran most
+
+
+def test_the_summary_counts_the_steps_the_verifier_began_behind_the_running_one(tmp_path):
+    rows = [{**row("off", 1, 200.0, "manager"), "verifier_begun_behind": 510.0},
+            {**row("off@sequential", 1, 180.0, "manager"), "verifier_begun_behind": 0.0}]
+    text = summary(tmp_path, result(rows, [row("off", 1, 210.0, "engine")]))
+    assert "verifier steps begun behind the running one, per run: off 510, off@sequential 0" in text
+    assert "begun behind" not in text.split("in process 1 stream")[1]  # the engine in process has no such count

@@ -88,6 +88,7 @@ class _Lane:
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(3))  # messages read and not answered
     sent: int = 0  # messages queued on the model thread
     running: Begun | None = None  # (model thread) begun and not ended
+    ended_ns: int = 0  # (model thread) when its last step ended (perf_counter_ns)
     closed: bool = False  # the stream ended: messages still queued are not run
 
 
@@ -103,6 +104,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.thread = thread  # the one thread that touches the model and the caches
         self.overlap = overlap and getattr(verifier, "chains", False)
         self.running: dict[int, tuple[_Lane, Begun]] = {}  # (model thread) the streams' steps left running
+        self.waits = ModelThread("verifier-waits", 0, verifier.model.device)  # waits for a running step's
+        # decision on the GPU (`_watch`), with the model's device current
         pool = verifier.pool
         REQUESTS.set_function(lambda: len(self.verifier.caches))
         KV_FREE.set_function(lambda: pool.available * pool.block_size)
@@ -177,7 +180,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if begun.ready is None:  # nothing runs on its own (a CPU's step is done when it is begun)
             self._submit(self._close, lane, begun)
             return
-        done = asyncio.get_running_loop().run_in_executor(None, begun.ready.synchronize)
+        done = self.waits.submit(begun.ready.synchronize)
         done.add_done_callback(lambda _: lane.closed or self._submit(self._close, lane, begun))
 
     # on the model thread:
@@ -248,7 +251,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except Exception as e:
             self._put(lane, e)
             raise
-        self._put(lane, (begun.batch, verdicts, time.perf_counter_ns() - begun.started_ns))
+        # its time: from its begin, or from the end of the step it began behind, to its end (what it adds)
+        now = time.perf_counter_ns()
+        self._put(lane, (begun.batch, verdicts, now - max(begun.started_ns, lane.ended_ns)))
+        lane.ended_ns = now
 
     @staticmethod
     def _put(lane: "_Lane", answer) -> None:
