@@ -189,7 +189,7 @@ class StepRunner:
         if self.mode == "eager" and not self.model.aux_layers and fill is None:
             self.features = None
             return self.model(items, ids)
-        if self.mode == "eager":  # the model's forward as its three calls, to read the step's features
+        if self.mode == "eager":  # the model's forward as its three calls, to read the step's features or fill its ids
             step = self.model.prepare(self.model.layout(items), ids)
             bucket = rows = None
         else:

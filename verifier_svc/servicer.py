@@ -206,17 +206,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return None
         start = time.perf_counter_ns()
         running, lane.running = lane.running, None
+        released = release + self._stale()
+        after = running if running is not None and self.verifier.follows(running, batch, released) else None
+        if running is not None and after is None:
+            self._end(lane, running)  # (an error there is on the stream already)
         try:
-            released = release + self._stale()
-            after = running if running is not None and self.verifier.follows(running, batch, released) else None
-            if running is not None and after is None:
-                ended, running = running, None
-                self._end(lane, ended)
             self._admit(released, batch, lengths, after)
             begun = self.verifier.begin(batch, after)
         except Exception as e:
-            if running is not None:  # the step it was to follow ends first
-                self._end(lane, running)
+            if after is not None:  # the step it was to follow ends first
+                self._end(lane, after)
             self._put(lane, e)
             raise
         begun.started_ns = start
