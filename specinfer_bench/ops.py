@@ -52,11 +52,7 @@ def verifier_step(verifier: Verifier, batch: int, tree: int, temperature: float 
     drafts are almost never accepted: a step adds about one token per request."""
     rng = rng or random.Random(batch)
     vocab = verifier.model.cfg.vocab_size
-    for rid in list(verifier.caches):
-        verifier.release(rid)
-    params = [SamplingParams(temperature, seed=i, mss=mss) for i in range(batch)]
-    verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], TokenTree(), params[i])
-                   for i in range(batch)])
+    params = prefill(verifier, batch, temperature, prompt_len, rng, mss)
     shape = random_tree(random.Random(0), tree, 2).parents
 
     def step():
@@ -66,6 +62,19 @@ def verifier_step(verifier: Verifier, batch: int, tree: int, temperature: float 
                 t.groups = [DraftGroup(p, [tok], [1.0], [u], False) for u, (tok, p) in enumerate(zip(t.tokens, t.parents))]
         verifier.step([VerifyRequest(str(i), [], trees[i], params[i]) for i in range(batch)])
     return step
+
+
+def prefill(verifier: Verifier, batch: int, temperature: float, prompt_len: int, rng: random.Random,
+            mss: bool = False) -> list[SamplingParams]:
+    """Release the verifier's requests and prefill `batch` fresh ones, "0", "1", ..., with random
+    `prompt_len`-token prompts, sampled at `temperature` (seeded by index); their settings."""
+    vocab = verifier.model.cfg.vocab_size
+    for rid in list(verifier.caches):
+        verifier.release(rid)
+    params = [SamplingParams(temperature, seed=i, mss=mss) for i in range(batch)]
+    verifier.step([VerifyRequest(str(i), [rng.randrange(vocab) for _ in range(prompt_len)], TokenTree(), params[i])
+                   for i in range(batch)])
+    return params
 
 
 def speculator_draft(spec: Speculator, batch: int, expansion: list[int], temperature: float = 0.0,

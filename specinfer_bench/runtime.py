@@ -65,11 +65,10 @@ from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel, ModelConfig
 from specinfer.speculator import Speculator
 from specinfer.tree import tree_size
-from specinfer.sampling import SamplingParams
 from specinfer.verifier import Verifier, VerifyRequest
 
 from .inflate import PRESETS, inflate
-from .ops import count, speculator_draft, verifier_step
+from .ops import count, prefill, speculator_draft, verifier_step
 from .report import _plt, command_line, machine, median_ms
 
 MODELS = ("llm", "llm-1b", "ssm")
@@ -194,15 +193,10 @@ def chained_steps(verifier: Verifier, batch: int, temperature: float, prompt_len
     """A function that runs CHAINED one-token steps over `batch` fresh requests (prefilled here with
     random prompts), each begun behind the one before before that one ends (`Verifier.follows`), as a
     verifier serving a manager that sends steps ahead runs them, then waits for the device."""
-    vocab = verifier.model.cfg.vocab_size
-    for rid in list(verifier.caches):
-        verifier.release(rid)
-    params = [SamplingParams(temperature, seed=i) for i in range(batch)]
-    verifier.step([VerifyRequest(f"c{i}", [rng.randrange(vocab) for _ in range(prompt_len)], sampling=params[i])
-                   for i in range(batch)])
+    params = prefill(verifier, batch, temperature, prompt_len, rng)
 
     def run():
-        steps = lambda: [VerifyRequest(f"c{i}", [], sampling=params[i]) for i in range(batch)]  # noqa: E731
+        steps = lambda: [VerifyRequest(str(i), [], sampling=params[i]) for i in range(batch)]  # noqa: E731
         begun = verifier.begin(steps())
         for _ in range(CHAINED - 1):
             behind = verifier.begin(steps(), begun)

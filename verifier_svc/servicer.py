@@ -262,8 +262,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _stale(self) -> list[str]:
         """Requests no step touched for `idle_timeout` (their manager is gone), but those in a running step."""
-        now, busy = time.monotonic(), {r.request_id for _, b in self.running.values() for r in b.batch}
-        return [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout and rid not in busy]
+        now = time.monotonic()
+        stale = [rid for rid, t in self.last_used.items() if now - t > self.idle_timeout]
+        if not stale or not self.running:
+            return stale
+        busy = {r.request_id for _, b in self.running.values() for r in b.batch}
+        return [rid for rid in stale if rid not in busy]
 
     def _end_holding(self, request_ids: set[str], spare: Begun | None = None) -> None:
         """End the running steps (but `spare`) that hold any of these requests, their answers to their
