@@ -16,7 +16,9 @@ Coupled (sampled requests, the default): the same walk with the LLM's coupled sa
 argmax: accept the child whose token equals it, else it is the bonus. Output equals plain seeded
 sampling token for token, whatever was drafted. A child is accepted with probability p(its token),
 so for drafts that are an SSM's top-k (deterministic) a node accepts with p(x_1) + ... + p(x_k),
-which is what MSS gives point-mass proposals. Batched: the coupled sample of every row of every tree
+which is what MSS gives point-mass proposals. The noise is no secret of the verifier's: a drafter
+races its own q against it and drafts that guess first (speculator.py), which is the LLM's token
+wherever q is close to p, also where p is flat. Batched: the coupled sample of every row of every tree
 at once, then the greedy rule's matching with it in place of the argmax. The noise belongs to the
 request and the position a row predicts, so it is made once per request and depth of its tree. The ops
 dispatched grow with neither the batch nor the depth (on a GPU, launches are what a step of small

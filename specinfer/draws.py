@@ -137,13 +137,16 @@ def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
     return _fmix32(_int32(torch.arange(vocab, device=device) + _GOLDEN))
 
 
-def coupled_noise(word: torch.Tensor, vocab: int) -> torch.Tensor:
+def coupled_noise(word: torch.Tensor, vocab: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """E_v = -log u [..., V] (float32), u the uniform number of (key, position, v), for each word
     `mix(key, position)` (any integer dtype holding the int32 value; the verifier makes them on the
-    host with the rest of its table): the noise `coupled_sample` races p against.
+    host with the rest of its table): the noise `coupled_sample` races p against. With `tokens`
+    [..., K] (ids below `vocab`), the same numbers for those tokens only, [..., K]: what a drafter
+    races its own sparse q against to guess the coupled sample (speculator.py).
 
     u keeps 23 bits, (2m + 1) / 2**24, so that it and -log u are exact in float32 at both ends."""
-    bits = _fmix32(word.int()[..., None] ^ _token_words(vocab, word.device))
+    words = _token_words(vocab, word.device)
+    bits = _fmix32(word.int()[..., None] ^ (words if tokens is None else words[tokens]))
     u = ((bits >> 8) & 0x7FFFFF).float().add_(0.5).mul_(2.0**-23)  # (2m + 1) / 2**24, exactly
     return u.log_().neg_()
 

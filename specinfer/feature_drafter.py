@@ -128,6 +128,9 @@ class FeatureSpeculator(Speculator):
         self._hidden = self.head.fc(torch.cat(hidden)) if hidden else None
         return caches
 
+    def _record_length(self, request_id: str, cache: KVCache) -> int:
+        return len(self.known[request_id].record)  # the cache holds pairs: one token fewer
+
     def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
         logits, self._out = self.head(items, ids, self._hidden)
         return logits

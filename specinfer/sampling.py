@@ -26,8 +26,8 @@ class SamplingParams:
     # transformers' min-p); 0 means none
     min_p: float = 0.0
     seed: int = 0
-    # sampled requests: False (default) drafts the SSMs' top-k and verifies by matching them against
-    # the coupled sample (the same tokens whatever the speculation); True draws the drafts from the
+    # sampled requests: False (default) drafts the SSMs' guesses of the coupled sample and their top-k,
+    # and verifies by matching them against it (the same tokens whatever the speculation); True draws the drafts from the
     # SSMs and verifies by the paper's multi-step speculative sampling (acceptance.py), whose tokens
     # depend on the trees drafted
     mss: bool = False
@@ -54,7 +54,8 @@ class SamplingParams:
 
     @property
     def sampled_drafts(self) -> bool:
-        """Drafts are draws from the SSMs' q, recorded in the tree for MSS; otherwise their top-k."""
+        """Drafts are draws from the SSMs' q, recorded in the tree for MSS; otherwise their guesses of the
+        coupled sample and their top-k."""
         return self.mss and not self.greedy
 
     def validate(self) -> None:

@@ -5,16 +5,17 @@ and an SSM KV cache. `draft` grows every request's tree one level at a time with
 forward per level: level 1 comes from the row of the last committed token (the root), level i+1
 from the rows of level i's nodes, each node attending to the committed prefix and its ancestors.
 
-Greedy, and sampled requests verified by coupled matching: a node at depth i gets the top-k_i
-tokens as children.
+Greedy: a node at depth i gets the top-k_i tokens as children. Sampled requests verified by
+coupled matching: the same, except that a node's first child is the SSM's guess of the LLM's coupled
+sample, its q raced against the noise the verifier's sample races p against (`_guess_first`).
 Sampled drafts (requests verified by MSS): a node at depth i gets k_i draws from q, the SSM's distribution after the request's
 sampling transforms, truncated to its `q_top` most likely tokens and renormalized; draws are
 sequential without replacement by default (drawn at once as the top k_i of log q + Gumbel noise,
 which is the same law), i.i.d. with replacement on request (k_i inverse-CDF draws). The draws and q
 are recorded in the tree (DraftGroup) for the verifier.
 
-Per level, every frontier row of every request goes through one forward, one top-k and one
-sampling operation; the drawn tokens stay on the device and are the next level's input. A fixed
+Per level, every frontier row of every request goes through one forward, one top-k, one guess of
+the coupled sample and one sampling operation (each over the rows it applies to); the drawn tokens stay on the device and are the next level's input. A fixed
 expansion gives every request a static tree shape: every node gets exactly k_i children (a draw
 past the support of q, possible without replacement, is a *dead* node: computed like the others,
 dropped from the tree). The finished trees cross to the host in one copy; there, dead nodes are
@@ -53,7 +54,8 @@ from .graphs import GraphConfig, StepRunner
 from .kv_cache import POOL_TOKENS, KVCache, commit_all
 from .errors import check_token_ids
 from .model import LlamaModel, StepInput
-from .draws import mix, probabilities, sparsify, uniform
+from .devices import to_device
+from .draws import coupled_noise, mix, probabilities, sparsify, uniform
 from .sampling import SamplingParams, stream_key
 from .tree import DraftGroup, TokenTree, merge
 
@@ -90,6 +92,8 @@ class Speculator:
         pending tokens a draft feeds per request (0: all of them); see above."""
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk: must be >= 0, got {prefill_chunk}")
+        if q_top < 1:
+            raise ValueError(f"q_top: must be >= 1, got {q_top}")
         self.model = model
         self.dynamic = dynamic
         self.prefill_chunk = prefill_chunk
@@ -144,6 +148,9 @@ class Speculator:
         behind = [n < len(c.pending) for n, c in zip(fed, caches)]  # fed a chunk: their roots get no children
         keys = [stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 if r.sampling.sampled_drafts else None for r, c in zip(batch, caches)]
+        # requests verified by coupled matching: their sample's key and the position the root's children take
+        couple = [(stream_key(r.sampling.seed, "sample"), self._record_length(r.request_id, c))
+                  if not (r.sampling.greedy or r.sampling.sampled_drafts) else None for r, c in zip(batch, caches)]
         dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion and not b else None
                    for r, key, b in zip(batch, keys, behind)]
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
@@ -156,6 +163,7 @@ class Speculator:
             k = [0 if behind[row.request] else dynamic[row.request].top if dynamic[row.request]
                  else batch[row.request].expansion[depth] for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
+            self._guess_first(children[0], logits, rows, batch, couple, depth)
             levels.append((rows, k, children))
             kmax = children[0].shape[1]
             scores = _path_scores(logits, children[0], [i for i, row in enumerate(rows) if dynamic[row.request]])
@@ -192,6 +200,35 @@ class Speculator:
     def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
         """One level's forward: logits [R, V]."""
         return self.run(items, ids)
+
+    def _record_length(self, request_id: str, cache: KVCache) -> int:
+        """The request's record length after `_sync`: the position its root's children take."""
+        return len(cache.tokens)
+
+    def _guess_first(self, tokens: torch.Tensor, logits: torch.Tensor, rows: list[_Row], batch: list[DraftRequest],
+                     couple: list[tuple[int, int] | None], depth: int) -> None:
+        """A row of a request verified by coupled matching takes its guess of the LLM's coupled sample
+        as its first child, then its top-k without it: tokens [R, kmax] changed in place. The
+        verifier's token is argmax_v p(v) / E_v with noise E that only the request's key, the
+        position and v decide (draws.coupled_sample); the guess is argmax_v q(v) / E_v over the
+        drafter's q (the request's sampling transforms, its q_top most likely tokens) with the same
+        noise, so it is the LLM's token wherever q is close to p, also where p is flat and its top
+        token is not (a top-k draft matches with probability p(token) alone)."""
+        at = [i for i, row in enumerate(rows) if couple[row.request] is not None]
+        if not at:
+            return
+        word = mix(np.array([couple[rows[i].request][0] for i in at]),
+                   np.array([couple[rows[i].request][1] + depth for i in at]))  # the noise of the children's position
+        sent = to_device(torch.from_numpy(np.concatenate([at, word]).astype(np.int64)), logits.device)  # one copy
+        index, word = sent[: len(at)], sent[len(at):]
+        q = probabilities(logits[index], [batch[rows[i].request].sampling for i in at])
+        q_probs, q_ids = q.topk(min(self.q_top, q.shape[1]), dim=-1)  # [C, K], as the verifier's p: unnormalized
+        guess = q_ids.gather(1, (q_probs / coupled_noise(word, q.shape[1], q_ids)).argmax(dim=1, keepdim=True))
+        top = tokens[index]
+        both = torch.cat([guess, top], dim=1)
+        repeat = torch.cat([torch.zeros_like(guess, dtype=torch.bool), top == guess], dim=1)
+        order = torch.argsort(repeat.int(), dim=1, stable=True)[:, : top.shape[1]]  # the guess, then the rest
+        tokens[index] = both.gather(1, order)
 
     def _follow(self, picked: torch.Tensor | None, kmax: int) -> None:
         """The next level's rows are the children `picked` (indices into this level's [R, kmax]

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"`{meta['command']}` on {meta['machine']}", "",
                  f"Verifier step: {args.tree}-node trees; speculator: one <{args.expansion}> draft per request.", "",
                  "Times are medians of wall time on this machine (noisy; the counts are exact).", "",
-                 "T=0.8 rows: coupled matching over top-k drafts (the default), and MSS over sampled drafts.", "",
+                 "T=0.8 rows: coupled matching over top-k drafts led by the guess of the coupled sample (the default), and MSS over sampled drafts.", "",
                  ("| T | rule | batch | verifier ops | verifier syncs | verifier ms | speculator ops "
                   "| speculator syncs | speculator ms |"),
                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -1,6 +1,7 @@
-"""Sampled requests, seeded: coupled matching over top-k drafts (the default) against the paper's
-multi-step speculative sampling over sampled drafts, and no speculation, in process and through the
-services, side by side in one run.
+"""Sampled requests, seeded: coupled matching over the drafters' guesses of the coupled sample and
+their top-k (the default; "top-k drafts" in the tables) against the paper's multi-step speculative
+sampling over sampled drafts, and no speculation, in process and through the services, side by side
+in one run.
 
     python -m specinfer_bench.sampled --out bench/results/sampled_cpu
 

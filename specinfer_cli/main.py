@@ -85,7 +85,7 @@ def add_request_flags(p: argparse.ArgumentParser) -> None:
                    help="the same seed gives the same sampled tokens whatever the speculation (unless --mss)")
     p.add_argument("--mss", action="store_true",
                    help="sampled: draft by sampling and verify by multi-step speculative sampling instead of "
-                        "matching top-k drafts against the seeded sample (tokens then depend on the trees)")
+                        "matching the drafters' guesses and top-k against the seeded sample (tokens then depend on the trees)")
     p.add_argument("--expansion", default=None,
                    help=f"tree expansion config k_1,...,k_m (sequence mode uses its depth; default "
                         f"{','.join(map(str, EXPANSION))}, the tree search's pick for the default LLM on a CPU, each step's "

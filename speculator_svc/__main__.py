@@ -35,7 +35,8 @@ class SpeculatorConfig(ModelServerConfig):
                                  "merged with the SSMs' trees; the service then reads the LLM's features (--ssm= "
                                  "for a service of heads alone)")
     llm: str = option(DEFAULT_LLM, "with --head: the LLM the heads draft for (its config and embedding are read)")
-    q_top: int = option(32, "stochastic drafts: q is truncated to its most likely q_top tokens")
+    q_top: int = option(32, "sampled requests: q is truncated to its most likely q_top tokens (the draws of MSS "
+                               "requests; the guess of the coupled sample of the others)")
     dynamic_tree: bool = option(False, "EAGLE-2's dynamic trees for requests with top-k drafts: the manager's expansion "
                                        "read as a budget (its depth and node count), filled with the drafter's most "
                                        "probable paths")

@@ -16,12 +16,13 @@ import json
 import random
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.model import DRAFT_VOCAB, LlamaModel
-from specinfer.draws import coupled_sample, probabilities
+from specinfer.draws import coupled_noise, coupled_sample, mix, probabilities
 from specinfer.sampling import SamplingParams, stream_key
 from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree, merge
@@ -192,24 +193,46 @@ def same_tree(a: TokenTree, b: TokenTree) -> bool:
         and g.q_probs == pytest.approx(h.q_probs, abs=1e-5) for g, h in zip(a.groups, b.groups))
 
 
-def test_a_seeded_sampled_tree_is_the_same_alone_and_in_any_batch(heldout_ids):
+@pytest.mark.parametrize("mss", [True, False], ids=["mss", "coupled"])
+def test_a_seeded_sampled_tree_is_the_same_alone_and_in_any_batch(heldout_ids, mss):
+    """MSS's draws, and coupled matching's guesses of the sample (keyed by the request and the position)."""
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, mss=True)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, mss=mss)
     mine = DraftRequest("me", heldout_ids[0], [2, 2, 1], params)
     alone = Speculator(ssm).draft([mine])[0]
     others = [DraftRequest(f"o{i}", p, [3, 1], SamplingParams(1.0, seed=i, mss=i < 2), replacement=bool(i % 2))
               for i, p in enumerate(heldout_ids[1:5])]
     crowd = Speculator(ssm).draft(others[:2] + [mine] + others[2:])[2]
-    assert alone.groups and same_tree(alone, crowd)
+    assert bool(alone.groups) == mss and len(alone) and same_tree(alone, crowd)
 
 
-def test_drafts_for_coupled_matching_are_the_ssms_top_k_whatever_the_sampling(heldout_ids):
-    """A sampled request verified by matching (not MSS) gets the greedy tree: the SSM's top-k at
-    every node, with no draft groups."""
-    spec = Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"))
-    greedy = spec.draft([DraftRequest("a", heldout_ids[0], [2, 2, 1])])[0]
-    sampled = Speculator(spec.model).draft([DraftRequest("a", heldout_ids[0], [2, 2, 1], SamplingParams(1.3, seed=4))])[0]
-    assert sampled == greedy and not sampled.groups and len(greedy) == 2 + 4 + 4
+def test_drafts_for_coupled_matching_guess_the_sample_then_take_the_ssms_top_k(heldout_ids):
+    """A sampled request verified by matching (not MSS) gets the greedy tree's shape with no draft
+    groups. A node's first child is the SSM's guess of the LLM's coupled sample: its q (the
+    request's sampling transforms, its 32 likeliest tokens) raced against the verifier's noise of
+    that position (draws.coupled_noise); the others are the SSM's top-k without it. Worked out here
+    at the root with transformers."""
+    hf = AutoModelForCausalLM.from_pretrained(MODELS / "ssm-0", dtype=torch.float32).eval()
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    prompt = heldout_ids[0]
+    greedy = Speculator(ssm).draft([DraftRequest("a", prompt, [2, 2, 1])])[0]
+    vocab = torch.tensor(json.loads((MODELS / "ssm-0" / DRAFT_VOCAB).read_text())["token_ids"])
+    with torch.no_grad():
+        row = hf(torch.tensor([prompt])).logits[0, -1]
+    logits = torch.full_like(row, float("-inf")).index_copy(0, vocab, row[vocab])
+    guesses = []
+    for seed in range(6):
+        params = SamplingParams(1.3, seed=seed)
+        sampled = Speculator(ssm).draft([DraftRequest("a", prompt, [2, 2, 1], params)])[0]
+        assert sampled.parents == greedy.parents and not sampled.groups and len(sampled) == 2 + 4 + 4
+        q = probabilities(logits[None], [params])[0]
+        ids = q.topk(32).indices
+        word = torch.tensor(mix(np.array([stream_key(seed, "sample")]), np.array([len(prompt)])))
+        guess = ids[(q[ids] / coupled_noise(word, len(q), ids)[0]).argmax()].item()
+        top = [t for t in logits.topk(2).indices.tolist() if t != guess]
+        assert [sampled.tokens[u] for u, p in enumerate(sampled.parents) if p == -1] == [guess, top[0]], seed
+        guesses.append(guess)
+    assert len(set(guesses)) > 1, "seeds whose guesses are all one token would not tell the rules apart"
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, seed=3),
@@ -240,7 +263,8 @@ def test_the_speculator_service_redrafts_a_request_with_no_new_tokens():
 
 @pytest.mark.parametrize("temperature,mss", [(0.0, False), (0.8, False), (0.8, True)])
 def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperature, mss):
-    """Greedy, sampled with coupled matching (top-k drafts) and sampled with MSS (sampled drafts)."""
+    """Greedy, sampled with coupled matching (the guess of the coupled sample, then top-k drafts) and
+    sampled with MSS (sampled drafts)."""
     llm = LlamaModel.from_pretrained(MODELS / "llm")
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
     verifier = {b: ops.count(ops.verifier_step(Verifier(llm), b, 8, temperature, mss=mss)) for b in (1, 32)}
@@ -250,3 +274,9 @@ def test_ops_per_step_do_not_grow_with_the_batch_and_one_sync_per_step(temperatu
     for counts in (verifier, speculator):
         assert counts[32][0] <= 1.2 * counts[1][0]
         assert counts[1][1] == counts[32][1] == 1
+
+
+@pytest.mark.parametrize("q_top", [0, -3])
+def test_a_speculator_without_room_for_q_is_refused_naming_the_field(q_top):
+    with pytest.raises(ValueError, match=f"q_top: must be >= 1, got {q_top}"):
+        Speculator(LlamaModel.from_pretrained(MODELS / "ssm-0"), q_top=q_top)

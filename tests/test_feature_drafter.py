@@ -15,7 +15,7 @@ from specinfer.eagle import EagleHead, save_head
 from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel, ModelConfig
-from specinfer.sampling import SamplingParams
+from specinfer.sampling import SamplingParams, stream_key
 from specinfer.speculator import DraftRequest
 from specinfer.tree import TokenTree
 from specinfer.verifier import Features, Verifier, VerifyRequest
@@ -166,6 +166,28 @@ def test_drafters_take_a_finished_requests_blocks_and_draft_what_a_fresh_one_dra
             [ask("b")])
         assert (tree.tokens, tree.parents) == (fresh.tokens, fresh.parents)
         assert drafter.pool.hit_tokens >= 16, type(drafter).__name__
+
+
+def test_both_drafters_key_their_coupled_guess_by_the_records_length(fixture_llm, head, monkeypatch):
+    """A coupled request's guess races the noise of the position the root's children take: the
+    record's length, whether the drafter caches tokens (an SSM) or pairs a token behind (the head),
+    told at once or step by step (the verifier keys its sample the same way: `acceptance.decide_batch`)."""
+    from specinfer.speculator import Speculator
+
+    seen = []
+    real = Speculator._guess_first
+    monkeypatch.setattr(Speculator, "_guess_first", lambda self, *args: seen.append(args[4]) or real(self, *args))
+    record = PROMPTS[1] + [1, 2, 3, 4]
+    feats = record_features(fixture_llm, record)
+    params = SamplingParams(0.9, seed=5)
+    for drafter in (Speculator(fixture_llm), FeatureSpeculator(head)):
+        told = 0
+        for end in (len(PROMPTS[1]), len(record)):
+            seen.clear()
+            f = Features(told - 1 if told else 0, feats[max(told - 1, 0): end - 1])
+            drafter.draft([DraftRequest("r", record[told:end], [2, 1], params, features=[f])])
+            assert seen and all(c == [(stream_key(5, "sample"), end)] for c in seen), (type(drafter).__name__, seen)
+            told = end
 
 
 @pytest.mark.parametrize("chunk", [5])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare, kstest
 
-from specinfer.draws import _fmix32, _int32, coupled_sample, mix, uniform
+from specinfer.draws import _fmix32, _int32, coupled_noise, coupled_sample, mix, uniform
 from specinfer.sampling import stream_key
 
 M32 = 0xFFFFFFFF
@@ -72,3 +72,12 @@ def test_the_coupled_sample_follows_p_and_ignores_the_batch_and_the_scale():
     rows = torch.tensor([17, 3, 9000, 5])
     again = coupled_sample(7.0 * p.expand(4, -1), key[rows], rows)
     assert torch.equal(again, tokens[rows])
+
+
+def test_the_noise_of_some_tokens_is_the_whole_rows_at_those_tokens():
+    """What a drafter races its sparse q against (speculator.py) is the verifier's noise, bit for bit."""
+    word = mix(np.array([stream_key(3, "sample"), stream_key(9, "sample")]), np.array([40, 41]))
+    word = torch.from_numpy(word)
+    whole = coupled_noise(word, 5000)
+    ids = torch.tensor([[4999, 0, 17, 17], [3, 2500, 1, 4000]])
+    assert torch.equal(coupled_noise(word, 5000, ids), whole.gather(1, ids))

@@ -3,8 +3,9 @@
 Each distribution test runs many seeded requests through the real Engine (speculators, merge,
 verifier) and compares the emitted tokens with the exact distribution of plain sampling from the
 LLM with a chi-square goodness-of-fit test, for both rules: the paper's multi-step speculative
-sampling over sampled drafts (`mss`) and coupled matching over top-k drafts (the default). A
-deliberately wrong acceptance rule is rejected by the same test, so the test has power.
+sampling over sampled drafts (`mss`) and coupled matching over top-k drafts led by the drafter's
+guess of the coupled sample (the default). A deliberately wrong acceptance rule is rejected by the
+same test, so the test has power.
 
 Coupled matching also makes a seeded request's tokens those of plain seeded sampling whatever the
 speculation and the batch; keying its noise by batch row instead of by position breaks that, and
@@ -36,6 +37,7 @@ from specinfer.kv_cache import KVPool
 from specinfer.model import DRAFT_VOCAB, LlamaModel
 from specinfer.draws import probabilities
 from specinfer.sampling import SamplingParams
+from specinfer.speculator import Speculator
 
 from .conftest import MODELS, save_random_llama
 
@@ -330,3 +332,29 @@ def test_llama_emitted_tokens_follow_the_llm_distribution(tiny_vocab, mode, repl
                graphs=graphs, mss=mss)
     samples = [tuple(g.token_ids[1:4]) for g in gens]
     assert chi_square_pvalue(samples, llama_exact(hf, prompt, params, keep=3)) > ALPHA
+
+
+def drafts_kept(ssm) -> float:
+    """Of the drafts of the chain <1, 1, 1> for sampled requests verified by coupled matching (200
+    seeds), the share the verifier accepted."""
+    gens = run(MarkovModel(P_LLM), [ssm], Mode.TREE, [1, 1, 1], SamplingParams(1.0), n=200, new_tokens=16, mss=False)
+    accepted, drafted = (sum(g.drafters[0][i] for g in gens) for i in (0, 1))
+    return accepted / drafted
+
+
+def test_a_drafter_guesses_the_coupled_sample_with_the_verifiers_noise(monkeypatch):
+    """A drafter whose q is the LLM's p guesses every coupled sample (the same noise, keyed by the
+    request and the position), so every draft of a chain is accepted, though the sample is often
+    not the most likely token. Top-k drafts (no guess), and a guess keyed by the wrong position,
+    keep far fewer: the test has power."""
+    assert drafts_kept(MarkovModel(P_LLM)) == 1.0
+    with monkeypatch.context() as m:
+        m.setattr(Speculator, "_guess_first", lambda *args: None)
+        top = drafts_kept(MarkovModel(P_LLM))
+    with monkeypatch.context() as m:  # WRONG on purpose: the noise of the position after the child's
+        m.setattr(Speculator, "_record_length", lambda self, request_id, cache: len(cache.tokens) + 1)
+        shifted = drafts_kept(MarkovModel(P_LLM))
+    assert top < 0.8 and shifted < 0.8, (top, shifted)
+    # an SSM unlike the LLM: its guess is still a draft like any other, and the tokens stay the
+    # LLM's (the chi-square tests above run with guesses too)
+    assert 0 < drafts_kept(MarkovModel(P_SSM[0])) < 1
