@@ -26,7 +26,7 @@ Dynamic trees (EAGLE-2, arXiv 2406.16858; `Speculator(dynamic=True)`), for reque
 drafts (greedy, or sampled and verified by coupled matching): the expansion <k_1, ..., k_m> is read
 as a budget, not a shape: depth m, level widths w_i = k_1 ... k_i, N = w_1 + ... + w_m nodes. Each
 frontier row proposes its top K = min(max w_i, DYNAMIC_TOP) tokens, scored by path log-probability
-under the drafter; a level's w_{i+1} best candidates are the next frontier (so a forward has the rows
+under the drafter (a coupled request's guess, proposed first, as if it were the likeliest); a level's w_{i+1} best candidates are the next frontier (so a forward has the rows
 the fixed tree's would), and the tree is the N best candidates of all levels (closed under parents:
 a child never scores above its parent, and ties go to the older node). Choosing needs the scores on
 the host: one small copy per level, which fixed trees do not make.
@@ -167,6 +167,9 @@ class Speculator:
             levels.append((rows, k, children))
             kmax = children[0].shape[1]
             scores = _path_scores(logits, children[0], [i for i, row in enumerate(rows) if dynamic[row.request]])
+            for ri, s in scores.items():  # a guess of the coupled sample (first) scores as the likeliest child
+                if couple[rows[ri].request] is not None:
+                    s[0] = max(s)
             new: dict[int, list[tuple[int, int]]] = {}  # request -> (row, child) of its new nodes, in order
             for ri, (row, kr) in enumerate(zip(rows, k)):
                 new.setdefault(row.request, []).extend((ri, j) for j in range(kr))

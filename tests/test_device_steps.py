@@ -231,6 +231,9 @@ def test_drafts_for_coupled_matching_guess_the_sample_then_take_the_ssms_top_k(h
         guess = ids[(q[ids] / coupled_noise(word, len(q), ids)[0]).argmax()].item()
         top = [t for t in logits.topk(2).indices.tolist() if t != guess]
         assert [sampled.tokens[u] for u, p in enumerate(sampled.parents) if p == -1] == [guess, top[0]], seed
+        # a dynamic tree scores the guess as the SSM's likeliest child: it keeps it, first
+        dynamic = Speculator(ssm, dynamic=True).draft([DraftRequest("a", prompt, [2, 2, 1], params)])[0]
+        assert dynamic.tokens[dynamic.parents.index(-1)] == guess, seed
         guesses.append(guess)
     assert len(set(guesses)) > 1, "seeds whose guesses are all one token would not tell the rules apart"
 

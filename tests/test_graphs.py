@@ -88,7 +88,8 @@ def test_static_buffers_give_the_eager_logits_for_verifier_steps(heldout_ids, mo
         assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5, mss=True)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5, mss=True),
+                                      SamplingParams(temperature=0.8, top_p=0.9, seed=5)], ids=["greedy", "mss", "coupled"])
 def test_static_buffers_give_the_eager_trees_for_speculator_drafts(heldout_ids, sampling, monkeypatch):
     ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
     expansions = [[2, 1, 1], [1, 1, 3, 1], [3, 2], []]
