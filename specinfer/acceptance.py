@@ -18,8 +18,8 @@ sampling token for token, whatever was drafted. A child is accepted with probabi
 so for drafts that are an SSM's top-k (deterministic) a node accepts with p(x_1) + ... + p(x_k),
 which is what MSS gives point-mass proposals. The noise is no secret of the verifier's: a drafter
 races its own q against it and drafts that guess first (speculator.py), which is the LLM's token
-wherever q is close to p, also where p is flat. Batched: the coupled sample of every row of every tree
-at once, then the greedy rule's matching with it in place of the argmax. The noise belongs to the
+wherever q is close to p, also where p is flat. Batched: the coupled sample of every row of every
+tree at once, then the greedy rule's matching with it in place of the argmax. The noise belongs to the
 request and the position a row predicts, so it is made once per request and depth of its tree. The ops
 dispatched grow with neither the batch nor the depth (on a GPU, launches are what a step of small
 kernels costs); the work is elementwise over the trees' rows [M, V].
@@ -51,7 +51,7 @@ import torch
 
 from .devices import to_device
 from .draws import coupled_noise, mix, probabilities, sample, uniform
-from .sampling import SamplingParams, stream_key
+from .sampling import SamplingParams, sample_key, stream_key
 from .tree import TokenTree, depths
 
 BONUS_DRAW = 1 << 16  # the draw counter of the bonus token (real draws of a node count from 0)
@@ -88,7 +88,7 @@ def decide_batch(trees: list[TokenTree], logits: torch.Tensor, row_starts: list[
     # [B, bonus + accepted flags]; when the whole batch follows one rule, that rule's output as it is
     out = torch.zeros(len(trees), 1 + n, dtype=torch.long, device=dev) if len(rules) != 1 else None
     for part, rule in rules:
-        keys = [stream_key(sampling[b].seed, "sample") for b in part] if rule is _coupled else None
+        keys = [sample_key(sampling[b].seed) for b in part] if rule is _coupled else None
         table = _build([trees[b] for b in part], [row_starts[b] for b in part], n, dev, [positions[b] for b in part], keys)
         decided = rule(table, logits, [sampling[b] for b in part], [positions[b] for b in part])
         if out is None:

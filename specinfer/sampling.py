@@ -26,10 +26,10 @@ class SamplingParams:
     # transformers' min-p); 0 means none
     min_p: float = 0.0
     seed: int = 0
-    # sampled requests: False (default) drafts the SSMs' guesses of the coupled sample and their top-k,
-    # and verifies by matching them against it (the same tokens whatever the speculation); True draws the drafts from the
-    # SSMs and verifies by the paper's multi-step speculative sampling (acceptance.py), whose tokens
-    # depend on the trees drafted
+    # sampled requests: False (default) drafts the SSMs' guesses of the coupled sample and their
+    # top-k, and verifies by matching them against it (the same tokens whatever the speculation); True
+    # draws the drafts from the SSMs and verifies by the paper's multi-step speculative sampling
+    # (acceptance.py), whose tokens depend on the trees drafted
     mss: bool = False
     # what the request has said so far moves its distribution (penalties.py): OpenAI's presence and
     # frequency penalties over the generated tokens, vLLM's repetition penalty over prompt and output,
@@ -79,6 +79,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token {token}'s bias must be in [-100, 100], got {bias}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: must be >= 0, got {self.min_tokens}")
+
+
+def sample_key(seed: int) -> int:
+    """The key of a request's coupled sample: the verifier's (acceptance.py) and the drafters' guesses
+    of it (speculator.py) race against the noise of this key and the record position."""
+    return stream_key(seed, "sample")
 
 
 def stream_key(seed: int, *keys: int | str) -> int:

@@ -15,8 +15,8 @@ which is the same law), i.i.d. with replacement on request (k_i inverse-CDF draw
 are recorded in the tree (DraftGroup) for the verifier.
 
 Per level, every frontier row of every request goes through one forward, one top-k, one guess of
-the coupled sample and one sampling operation (each over the rows it applies to); the drawn tokens stay on the device and are the next level's input. A fixed
-expansion gives every request a static tree shape: every node gets exactly k_i children (a draw
+the coupled sample and one sampling operation (each over the rows it applies to); the drawn tokens
+stay on the device and are the next level's input. A fixed expansion gives every request a static tree shape: every node gets exactly k_i children (a draw
 past the support of q, possible without replacement, is a *dead* node: computed like the others,
 dropped from the tree). The finished trees cross to the host in one copy; there, dead nodes are
 dropped and repeated draws of one token under one parent (with replacement) become one node whose
@@ -26,8 +26,9 @@ Dynamic trees (EAGLE-2, arXiv 2406.16858; `Speculator(dynamic=True)`), for reque
 drafts (greedy, or sampled and verified by coupled matching): the expansion <k_1, ..., k_m> is read
 as a budget, not a shape: depth m, level widths w_i = k_1 ... k_i, N = w_1 + ... + w_m nodes. Each
 frontier row proposes its top K = min(max w_i, DYNAMIC_TOP) tokens, scored by path log-probability
-under the drafter (a coupled request's guess, proposed first, as if it were the likeliest); a level's w_{i+1} best candidates are the next frontier (so a forward has the rows
-the fixed tree's would), and the tree is the N best candidates of all levels (closed under parents:
+under the drafter (a coupled request's guess, proposed first, as if it were the likeliest); a
+level's w_{i+1} best candidates are the next frontier (so a forward has the rows the fixed tree's
+would), and the tree is the N best candidates of all levels (closed under parents:
 a child never scores above its parent, and ties go to the older node). Choosing needs the scores on
 the host: one small copy per level, which fixed trees do not make.
 
@@ -56,7 +57,7 @@ from .errors import check_token_ids
 from .model import LlamaModel, StepInput
 from .devices import to_device
 from .draws import coupled_noise, mix, probabilities, sparsify, uniform
-from .sampling import SamplingParams, stream_key
+from .sampling import SamplingParams, sample_key, stream_key
 from .tree import DraftGroup, TokenTree, merge
 
 DYNAMIC_TOP = 16  # a dynamic tree's candidates per frontier row at most
@@ -149,7 +150,7 @@ class Speculator:
         keys = [stream_key(r.sampling.seed, "draft", r.drafter, self.index, len(c.tokens))
                 if r.sampling.sampled_drafts else None for r, c in zip(batch, caches)]
         # requests verified by coupled matching: their sample's key and the position the root's children take
-        couple = [(stream_key(r.sampling.seed, "sample"), self._record_length(r.request_id, c))
+        couple = [(sample_key(r.sampling.seed), self._record_length(r.request_id, c))
                   if not (r.sampling.greedy or r.sampling.sampled_drafts) else None for r, c in zip(batch, caches)]
         dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion and not b else None
                    for r, key, b in zip(batch, keys, behind)]
