@@ -55,6 +55,7 @@ from .protocol import (
     validation_error,
 )
 from .text import TextStream
+from .tools import StreamedCalls, ToolPlan, shown
 from .tokenization import DetokenizeRequest, TokenizeRequest, detokenized, tokenized, tokenizer_info
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -148,6 +149,7 @@ class Choice:
     prompt: list[int]
     echo: str | None = None  # the prompt's text, sent before the output (completions with echo)
     first: object = None  # the call's first message
+    calls: StreamedCalls | None = None  # a streamed chat reply that may be tool calls: its text held back
     offset: int = 0  # characters output so far (completions' text_offset)
 
 
@@ -193,19 +195,20 @@ class Gateway:
     def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """The messages through the model's chat template."""
+    def chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                 plan: ToolPlan | None = None) -> list[int]:
+        """The messages through the model's chat template (with the tools' instructions, tools.py)."""
         if not self.tokenizer.chat_template:
             raise ApiError.bad("messages", "the model's tokenizer has no chat template "
                                            "(tokenizer_config.json chat_template); use /v1/completions")
-        turns = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+        turns = shown([m.turn(i) for i, m in enumerate(messages)], plan)
         ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
-    def prompt_ids(self, body) -> list[list[int]]:
+    def prompt_ids(self, body, plan: ToolPlan | None) -> list[list[int]]:
         """Each prompt's token ids."""
         if isinstance(body, ChatCompletionRequest):
-            return [self.chat_ids(body.messages)]
+            return [self.chat_ids(body.messages, plan=plan)]
         return [self.text_ids(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
     def decode(self, ids: list[int]) -> str:
@@ -218,7 +221,8 @@ class Gateway:
         body.refuse_unsupported()
         metadata = auth(http)
         served = (await self.served(body.model, metadata)).model_name
-        prompts = self.prompt_ids(body)
+        plan = body.tool_plan() if isinstance(body, ChatCompletionRequest) else None
+        prompts = self.prompt_ids(body, plan)
         if len(prompts) * body.n > self.max_choices:
             raise ApiError.bad("prompt" if len(prompts) > 1 else "n",
                                f"at most {self.max_choices} choices (prompts x n) per request (the gateway's "
@@ -250,7 +254,7 @@ class Gateway:
                 choices.append(Choice(p * body.n + j, self.stub.Generate(request, timeout=self.timeout, metadata=metadata),
                                       Tally(len(prompt), TextStream(self.decode, stops, body.include_stop_str_in_output),
                                             set(stop_ids), silent),
-                                      prompt, echo))
+                                      prompt, echo, calls=StreamedCalls(plan) if plan and body.stream else None))
         start = time.perf_counter()
         try:
             firsts = await asyncio.gather(*(c.call.read() for c in choices))  # errors before the first token: statuses
@@ -258,13 +262,14 @@ class Gateway:
             for c in choices:
                 c.call.cancel()
             which = "" if len(choices) == 1 else f" (one of this request's {len(choices)} choices; all were cancelled)"
-            raise ApiError.from_grpc(e.code().name, (e.details() or "") + which) from None
+            error = ApiError.from_grpc(e.code().name, (e.details() or "") + which)
+            raise error.renamed("response_format", "tools") if plan else error from None
         for c, first in zip(choices, firsts):
             c.first = first
         self.metrics.ttft.observe(time.perf_counter() - start)
         kind = "chat" if isinstance(body, ChatCompletionRequest) else "text"
         reply = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                      served, kind, body.return_draft_trees, body.wants_logprobs, self)
+                      served, kind, body.return_draft_trees, body.wants_logprobs, self, plan)
         prompt_tokens = sum(map(len, prompts))
         self.metrics.in_flight.inc()
         outcome = {"completed": False}
@@ -407,6 +412,7 @@ class Reply:
     trees: bool
     logprobs: bool  # the choices carry logprobs
     gateway: Gateway
+    tools: ToolPlan | None = None  # chat with tools: a reply may be calls
     role_sent: set[int] = field(default_factory=set)  # chat: the choices whose role was sent
 
     def _object(self, suffix: str = "") -> dict:
@@ -447,9 +453,17 @@ class Reply:
         if self.kind == "text":
             choice = {"index": c.index, "text": piece, "finish_reason": c.tally.finish}
         else:
+            finish, calls = c.tally.finish, None
+            if c.calls is not None:
+                piece = c.calls.add(piece)
+                if finish:
+                    held, calls = c.calls.end()
+                    piece += held
             delta = {"content": piece} if c.index in self.role_sent else {"role": "assistant", "content": piece}
             self.role_sent.add(c.index)
-            choice = {"index": c.index, "delta": delta, "finish_reason": c.tally.finish}
+            if calls:
+                delta["tool_calls"], finish = [{"index": i, **call} for i, call in enumerate(calls)], "tool_calls"
+            choice = {"index": c.index, "delta": delta, "finish_reason": finish}
         choice["logprobs"] = self.logprobs_json(c, entries)
         choice["token_ids"] = ids
         if self.trees:
@@ -470,8 +484,11 @@ class Reply:
             if self.kind == "text":
                 out.append({"index": c.index, "text": text, "finish_reason": c.tally.finish, "logprobs": logprobs})
             else:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "finish_reason": c.tally.finish, "logprobs": logprobs})
+                calls = self.tools.parse(text) if self.tools else None
+                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+                    {"role": "assistant", "content": text}
+                out.append({"index": c.index, "message": message, "finish_reason": "tool_calls" if calls else c.tally.finish,
+                            "logprobs": logprobs})
         return {**self._object(), "choices": out, "usage": usage}
 
 

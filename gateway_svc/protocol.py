@@ -14,9 +14,11 @@ naming `response_format`.
 them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under speculation
 (specinfer/penalties.py). `stop` takes token ids (ints) beside strings; vLLM's `stop_token_ids` and
 `include_stop_str_in_output` are taken too, and vLLM's `allowed_token_ids`.
+`tools`, `tool_choice` and `parallel_tool_calls` (chat): one call format for every model, enforced by
+a grammar (tools.py); an assistant message's `tool_calls` and `tool` messages in the conversation.
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
-`best_of`, `suffix`, tools. They are accepted at their neutral values (`best_of: 1`), which some
-clients always send.
+`best_of`, `suffix`. They are accepted at their neutral values (`best_of: 1`), which some clients
+always send.
 Extensions: `top_k`, `min_p` (vLLM's, after `top_p`), `ignore_eos`, `priority` (vLLM's: lower values are scheduled first, default 0),
 `speculation` ("off", an expansion such as "2,1,1" or [2, 1, 1]; unset: the server's default) and
 `return_draft_trees` (each streamed step carries its draft tree).
@@ -34,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specinfer.grammar import KINDS
 from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
+
+from .tools import Tool, ToolCall, ToolPlan, call_text
 
 MAX_N = 16  # choices per prompt at most
 GOLDEN = 0x9E3779B97F4A7C15  # choice j's seed: the request's plus j times this, modulo 2**64
@@ -96,6 +100,12 @@ class ApiError(Exception):
         default = "invalid_request_error" if status < 500 else "server_error"
         kind = next((k for s, k in STATUS.values() if s == status), default)
         return cls(status, message, kind)
+
+    def renamed(self, param: str, name: str) -> ApiError:
+        """The same error naming `name` where it named `param` (a field the gateway wrote for the caller's)."""
+        if self.param != param:
+            return self
+        return ApiError(self.status, name + str(self)[len(param):], self.type, name, self.code)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -248,6 +258,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self, index: int) -> str:
         if isinstance(self.content, list):
@@ -259,26 +271,68 @@ class ChatMessage(BaseModel):
             return "".join(parts)
         return self.content or ""
 
+    def turn(self, index: int) -> dict:
+        """The message as the chat template takes it; an assistant's calls follow its text."""
+        text = self.text(index)
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ApiError.bad(f"messages[{index}].tool_calls", "only in an assistant's message")
+            calls = []
+            for j, call in enumerate(self.tool_calls):
+                try:
+                    calls.append({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+                except json.JSONDecodeError:
+                    raise ApiError.bad(f"messages[{index}].tool_calls[{j}].function.arguments", "not JSON") from None
+            text += call_text(calls)
+        return {"role": self.role, "content": text}
+
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise ApiError.bad("top_logprobs", "only with logprobs: true")
-        for name in ("tools", "tool_choice"):
-            if getattr(self, name) is not None:
-                raise ApiError.bad(name, "not supported")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ApiError.bad("max_completion_tokens", "differs from max_tokens; give one")
             self.max_tokens = self.max_completion_tokens
+        if self.tool_plan() is not None and self.response_format is not None:
+            raise ApiError.bad("response_format", "not with tools (a reply is a call or text); "
+                                                  "give tool_choice: \"none\" for a formatted reply")
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the reply may be with the request's tools; None: text, the tools not shown."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ApiError.bad("tool_choice", "only with tools")
+            return None
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) < len(names):
+            raise ApiError.bad("tools", "function names must differ")
+        if isinstance(choice, dict):
+            name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if choice.get("type") != "function" or name is None or set(choice) != {"type", "function"}:
+                raise ApiError.bad("tool_choice", "\"none\", \"auto\", \"required\" or "
+                                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+            if name not in names:
+                raise ApiError.bad("tool_choice", f"no tool is named {name!r}")
+            choice = name
+        if choice == "none":
+            return None
+        return ToolPlan(tuple(t.function for t in self.tools), choice or "auto", self.parallel_tool_calls)
+
+    def grammar(self) -> tuple[str, str] | None:
+        plan = self.tool_plan()
+        return ("lark", plan.grammar()) if plan is not None else super().grammar()
 
     @property
     def top(self) -> int:

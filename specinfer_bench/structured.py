@@ -12,12 +12,19 @@ round sends every request at each setting; rounds are interleaved (this machine'
 every other one in reverse order, medians reported. Each manager logs its per-iteration split on
 exit, among it the constrained requests' grammar time.
 
+`--requests bench/tool_requests.jsonl`: tool calls instead (16 chat requests, each with two tools
+and `tool_choice: "required"`, the reply a call the gateway's grammar enforces, gateway_svc/tools.py);
+`free` sends them without tools. A call is valid when each call's arguments validate against its
+tool's parameters.
+
 `--noisy-neighbour`: a process spinning on one core for the whole run, as another tenant's job on a
 shared machine (the services' timings, and so the adaptive controller's, get noisy).
 
     python -m specinfer_bench.structured --out bench/results/structured_cpu
     python -m specinfer_bench.structured --concurrency 1 --configs off,spec --noisy-neighbour \
         --out bench/results/structured_noisy_cpu
+    python -m specinfer_bench.structured --requests bench/tool_requests.jsonl --concurrency 1,4 \
+        --out bench/results/tools_cpu
 """
 
 from __future__ import annotations
@@ -63,9 +70,12 @@ def chat_messages(entry: dict) -> list[dict]:
 
 def chat_body(entry: dict, constrained: bool, max_new_tokens: int) -> dict:
     """The request as an OpenAI chat client sends it: the schema travels as the response format
-    (written into the prompt, the small LLM copies the schema itself when unconstrained)."""
+    (written into the prompt, the small LLM copies the schema itself when unconstrained); a tool
+    request's tools with tool_choice "required"."""
     body = {"messages": chat_messages(entry), "max_tokens": max_new_tokens, "temperature": 0}
-    if constrained:
+    if constrained and "tools" in entry:
+        body["tools"], body["tool_choice"] = entry["tools"], "required"
+    elif constrained:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": entry["name"], "schema": entry["schema"]}}
     return body
@@ -84,7 +94,9 @@ async def drive(url: str, entries: list[dict], constrained: bool, speculation: s
             i, e = queue.pop(0)
             r = await client.chat.completions.create(model=model, **chat_body(e, constrained, max_new_tokens),
                                                      extra_body=extra)
-            replies[i] = r.choices[0].message.content
+            message = r.choices[0].message  # a call's id is random: its name and arguments are compared
+            replies[i] = json.dumps([{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                                     for c in message.tool_calls]) if message.tool_calls else message.content
             tokens[0] += r.usage.completion_tokens
             steps[0] += r.usage.model_extra["speculation"]["verifier_steps"]
 
@@ -99,13 +111,22 @@ async def drive(url: str, entries: list[dict], constrained: bool, speculation: s
 
 
 def check(entries: list[dict], replies: list[str]) -> int:
-    """How many replies parse and validate against their schema (a reply cut by max_new_tokens does not)."""
+    """How many replies parse and validate against their schema, or are calls whose arguments validate
+    against their tools' parameters (a reply cut by max_new_tokens does not)."""
     valid = 0
     for e, reply in zip(entries, replies):
         try:
-            jsonschema.validate(json.loads(reply), e["schema"])
+            value = json.loads(reply)
+            if "tools" in e:
+                tools = {t["function"]["name"]: t["function"]["parameters"] for t in e["tools"]}
+                if not isinstance(value, list) or not value or any(c["name"] not in tools for c in value):
+                    continue
+                for c in value:
+                    jsonschema.validate(c["arguments"], tools[c["name"]])
+            else:
+                jsonschema.validate(value, e["schema"])
             valid += 1
-        except (json.JSONDecodeError, jsonschema.ValidationError):
+        except (json.JSONDecodeError, TypeError, jsonschema.ValidationError):
             pass
     return valid
 
@@ -182,12 +203,14 @@ def measure(llm: str, entries: list[dict], configs: list[str], levels: list[int]
 
 def markdown(rows: list[dict], meta: dict) -> str:
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == "off"}
+    what, without = (("tool-call chat requests, each with its tools and tool_choice \"required\"", "the tools")
+                     if meta["tools"] else ("JSON Schema chat requests", "the response format"))
     lines = [f"`{meta['command']}` on {meta['machine']}", "",
-             f"{meta['requests']} JSON Schema chat requests (`{meta['schemas']}`) through the OpenAI gateway "
+             f"{meta['requests']} {what} (`{meta['schemas']}`) through the OpenAI gateway "
              "with the openai client, greedy, at most "
              f"{meta['max_new_tokens']} tokens; medians of {meta['rounds']} interleaved rounds. off: constrained, "
              "speculation off; spec: constrained, the server's default speculation (SSM 0, the head, context lookup, "
-             "the grammar's forced tokens); free: the same prompts without the response format, default speculation. "
+             f"the grammar's forced tokens); free: the same prompts without {without}, default speculation. "
              f"Constrained outputs that parse and validate: off {meta['valid']['off']}, spec {meta['valid']['spec']} "
              f"of {meta['requests']} (the rest cut by max_new_tokens); outputs with speculation identical to off."
              + (" **Noisy neighbour**: a process spinning on one of the 2 cores for the whole run." if meta["neighbour"]
@@ -202,7 +225,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, tools: bool) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,7 +244,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks([j + width for j in range(len(levels))], [f"{c} streams" for c in levels])
         ax.set_title(title)
         ax.legend()
-    fig.suptitle("JSON Schema requests through the services (off/spec: constrained; free: not)")
+    fig.suptitle(f"{'Tool-call' if tools else 'JSON Schema'} requests through the services (off/spec: constrained; free: not)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -229,7 +252,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llm", default=DEFAULT_LLM)
-    p.add_argument("--schemas", type=Path, default=SCHEMAS, help="JSONL: name, prompt, schema (and an example)")
+    p.add_argument("--requests", type=Path, default=SCHEMAS,
+                   help="JSONL: name, prompt and schema (and an example), or name, prompt and tools")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)} (off and spec always run)")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -237,7 +261,7 @@ def main() -> None:
     p.add_argument("--noisy-neighbour", action="store_true", help="a process spinning on one core for the whole run")
     p.add_argument("--out", type=Path, default=Path("bench/results/structured_cpu"))
     args = p.parse_args()
-    entries = read_schemas(args.schemas)
+    entries = read_schemas(args.requests)
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs: {', '.join(sorted(unknown))} not among {', '.join(CONFIGS)}")
@@ -246,11 +270,11 @@ def main() -> None:
     rows, found = measure(args.llm, entries, configs, levels, args.max_new_tokens, args.rounds, args.noisy_neighbour)
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.structured", None),
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "neighbour": args.noisy_neighbour,
-            "schemas": os.path.relpath(args.schemas), **found}
+            "schemas": os.path.relpath(args.requests), "tools": "tools" in entries[0], **found}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(markdown(rows, meta))
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), meta["tools"])
     print(markdown(rows, meta))
 
 

@@ -443,3 +443,169 @@ def test_models_lists_the_served_model_with_its_speculation_settings(gw):
     models = client(gw["url"]).models.list().data
     assert [m.id for m in models] == ["llm"]
     assert models[0].model_extra["specinfer"]["expansion"] == ManagerConfig().expansion
+
+
+# ---------------------------------------------------------------- tool calls (gateway_svc/tools.py)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit", "days"],
+                   "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                  "unit": {"enum": ["c", "f"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["utc", "cet", "pst"]}}}}}
+ASK = [{"role": "system", "content": "You call tools."}, {"role": "user", "content": "def weather(city):"}]
+
+
+def tool_reference(tokenizer, messages: list[dict], plan) -> tuple[list[int], str, int]:
+    """The LLM alone, greedy, constrained by the plan's grammar, on the conversation as the gateway
+    shows it (the strict gateway's template): its tokens, text and prompt length."""
+    from tokenizers import Tokenizer
+
+    from gateway_svc.protocol import ChatMessage
+    from gateway_svc.tools import shown
+    from specinfer.generate import Engine, Mode
+    from specinfer.grammar import Grammars, GrammarSpec
+    from specinfer.model import LlamaModel
+
+    turns = shown([ChatMessage(**m).turn(i) for i, m in enumerate(messages)], plan)
+    prompt = "".join(f"### {t['role']}:\n{t['content']}\n" for t in turns) + "### assistant:\n"
+    ids = tokenizer(prompt)["input_ids"]
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    tok = Tokenizer.from_file(str(MODELS / "llm" / "tokenizer.json"))
+    grammars = Grammars(tok.to_str(), llm.cfg.vocab_size, list(llm.cfg.eos_token_ids))
+    (g,) = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate(
+        [Request(ids, 96, grammar=GrammarSpec("lark", plan.grammar()) if plan else None)])
+    out = g.token_ids[:-1] if g.finish_reason == "eos" else g.token_ids
+    return out, tokenizer.decode(out, skip_special_tokens=True), len(ids)
+
+
+def streamed_calls(chunks) -> tuple[str, list[dict], str]:
+    """A streamed reply's text, calls (their fragments joined by index, as OpenAI's clients do) and
+    finish reason."""
+    text, calls, finish = "", {}, None
+    for ch in chunks:
+        delta = ch.choices[0].delta
+        text += delta.content or ""
+        for call in delta.tool_calls or ():
+            got = calls.setdefault(call.index, {"id": call.id, "name": "", "arguments": ""})
+            got["name"] += call.function.name or ""
+            got["arguments"] += call.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return text, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tools, choice, parallel", [
+    ([WEATHER, CLOCK], "required", True), ([WEATHER, CLOCK], {"type": "function", "function": {"name": "get_time"}}, True),
+    ([WEATHER], "required", False), ([WEATHER, CLOCK], "auto", True), ([WEATHER, CLOCK], None, True)])
+def test_tool_calls_are_the_llms_constrained_output_whatever_the_speculation_and_validate(
+        gw, tokenizer, tools, choice, parallel):
+    """A request with tools gets the LLM's greedy output under the call grammar (tools.py), exactly,
+    with speculation off, a fixed tree or the default; a call parses into OpenAI's tool_calls, each
+    name among the tools offered and its arguments valid against the tool's parameters, the same
+    streamed; `auto` (the default) may also be text, which is then the reply's content."""
+    import jsonschema
+
+    from gateway_svc.protocol import ChatCompletionRequest
+
+    body = {"model": "llm", "messages": ASK, "tools": tools, "parallel_tool_calls": parallel,
+            **({"tool_choice": choice} if choice else {})}
+    plan = ChatCompletionRequest(**body).tool_plan()
+    _, want_text, prompt_tokens = tool_reference(tokenizer, ASK, plan)
+    want_calls = plan.parse(want_text)
+    if choice not in ("auto", None):
+        assert want_calls, want_text  # a call is forced
+    offered = {t["function"]["name"]: t["function"]["parameters"] for t in tools
+               if not isinstance(choice, dict) or t["function"]["name"] == choice["function"]["name"]}
+    for call in want_calls or ():
+        jsonschema.validate(json.loads(call["function"]["arguments"]), offered[call["function"]["name"]])
+    if want_calls and not parallel:
+        assert len(want_calls) == 1
+    strip = lambda calls: [(x["function"]["name"], x["function"]["arguments"]) for x in calls]  # noqa: E731
+    c = client(gw["strict"], "sesame")
+    kw = {k: v for k, v in body.items() if k not in ("model", "messages")}
+    for speculation in ("off", "2,2,1,1", None):
+        extra = {"speculation": speculation} if speculation else {}
+        whole = c.chat.completions.create(model="llm", messages=ASK, max_tokens=96, temperature=0, extra_body=extra, **kw)
+        got = whole.choices[0]
+        assert whole.usage.prompt_tokens == prompt_tokens
+        if want_calls:
+            assert got.finish_reason == "tool_calls" and got.message.content is None
+            assert strip([x.model_dump() for x in got.message.tool_calls]) == strip(want_calls)
+            assert all(x.id.startswith("call_") and x.type == "function" for x in got.message.tool_calls)
+        else:
+            assert got.message.content == want_text and not got.message.tool_calls
+        text, calls, finish = streamed_calls(c.chat.completions.create(
+            model="llm", messages=ASK, max_tokens=96, temperature=0, stream=True, extra_body=extra, **kw))
+        if want_calls:
+            assert (text, finish) == ("", "tool_calls")
+            assert [(x["name"], x["arguments"]) for x in calls] == strip(want_calls)
+        else:
+            assert (text, calls) == (want_text, [])
+
+
+def test_a_conversation_carries_earlier_calls_and_their_results(gw, tokenizer):
+    """The client sends the reply's message back with the tool's result: the calls are written in the
+    format the model is asked for, the result in the `tool` role, and the next reply is the LLM's own
+    on that conversation; tool_choice "none" hides the tools and gives text."""
+    from gateway_svc.protocol import ChatCompletionRequest
+
+    c = client(gw["strict"], "sesame")
+    first = c.chat.completions.create(model="llm", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                      max_tokens=96, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    assert messages[2]["tool_calls"][0]["function"]["arguments"] == call.function.arguments
+    for choice in ("auto", "none"):
+        plan = ChatCompletionRequest(model="llm", messages=messages, tools=[WEATHER], tool_choice=choice).tool_plan()
+        _, want_text, prompt_tokens = tool_reference(tokenizer, messages, plan)
+        got = c.chat.completions.create(model="llm", messages=messages, tools=[WEATHER], tool_choice=choice,
+                                        max_tokens=96, temperature=0)
+        assert got.usage.prompt_tokens == prompt_tokens
+        calls = plan.parse(want_text) if plan else None
+        if calls:
+            assert [x.function.arguments for x in got.choices[0].message.tool_calls] == \
+                [x["function"]["arguments"] for x in calls]
+        else:
+            assert got.choices[0].message.content == want_text
+    assert plan is None  # "none": the reference above had no tools in its prompt and no grammar
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "("}}}]},
+     "tools"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls")])
+def test_bad_tools_get_400_naming_the_field(gw, params, field):
+    body = {"model": "llm", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **params}
+    status, got = post(gw["strict"] + "/v1/chat/completions", body)
+    assert status == 400 and got["error"]["param"] == field and got["error"]["message"].startswith(field), got
+
+
+def test_a_streamed_reply_is_held_back_only_while_it_may_be_a_call():
+    from gateway_svc.tools import FunctionDef, StreamedCalls, ToolPlan
+
+    auto = ToolPlan((FunctionDef(name="f"),), "auto")
+    s = StreamedCalls(auto)
+    assert [s.add(p) for p in ("\n", "<", "tool", "box", " is")] == ["", "", "", "\n<toolbox", " is"]
+    assert s.end() == ("", None)
+    s = StreamedCalls(auto)
+    assert [s.add(p) for p in ("<tool_call>", '[{"name": "f", ', '"arguments": {}}]</tool_call>')] == ["", "", ""]
+    held, calls = s.end()
+    assert held == "" and [(c["type"], c["function"]) for c in calls] == [("function", {"name": "f", "arguments": "{}"})]
+    s = StreamedCalls(ToolPlan((FunctionDef(name="f"),), "required"))
+    assert [s.add(p) for p in ("<tool_call>", '[{"name": "f", ')] == ["", ""]
+    assert s.end() == ('<tool_call>[{"name": "f", ', None)  # cut short (max_tokens): the text as it is
