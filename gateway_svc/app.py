@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -202,7 +203,10 @@ class Gateway:
             raise ApiError.bad("messages", "the model's tokenizer has no chat template "
                                            "(tokenizer_config.json chat_template); use /v1/completions")
         turns = shown([m.turn(i) for i, m in enumerate(messages)], plan)
-        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except jinja2.TemplateError as e:  # e.g. a template that allows only alternating user and assistant turns
+            raise ApiError.bad("messages", f"the model's chat template refuses this conversation: {e}") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in newer transformers
 
     def prompt_ids(self, body, plan: ToolPlan | None) -> list[list[int]]:
@@ -462,6 +466,7 @@ class Reply:
             delta = {"content": piece} if c.index in self.role_sent else {"role": "assistant", "content": piece}
             self.role_sent.add(c.index)
             if calls:
+                delta["content"] = None
                 delta["tool_calls"], finish = [{"index": i, **call} for i, call in enumerate(calls)], "tool_calls"
             choice = {"index": c.index, "delta": delta, "finish_reason": finish}
         choice["logprobs"] = self.logprobs_json(c, entries)

@@ -260,6 +260,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    # what a returned message carries, which clients send back as they got it: not used
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    parsed: Any = None
+    function_call: None = None  # the deprecated single call: use tool_calls
 
     def text(self, index: int) -> str:
         if isinstance(self.content, list):
@@ -280,11 +286,16 @@ class ChatMessage(BaseModel):
             calls = []
             for j, call in enumerate(self.tool_calls):
                 try:
-                    calls.append({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+                    arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+                    calls.append({"name": call.function.name, "arguments": arguments})
                 except json.JSONDecodeError:
                     raise ApiError.bad(f"messages[{index}].tool_calls[{j}].function.arguments", "not JSON") from None
             text += call_text(calls)
-        return {"role": self.role, "content": text}
+        turn = {"role": self.role, "content": text}
+        for key in ("name", "tool_call_id"):  # for templates that read them
+            if getattr(self, key) is not None:
+                turn[key] = getattr(self, key)
+        return turn
 
 
 class ChatCompletionRequest(_Generation):
@@ -294,7 +305,7 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # unset: True
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -304,7 +315,7 @@ class ChatCompletionRequest(_Generation):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ApiError.bad("max_completion_tokens", "differs from max_tokens; give one")
             self.max_tokens = self.max_completion_tokens
-        if self.tool_plan() is not None and self.response_format is not None:
+        if self.tool_plan() is not None and self.response_format not in (None, {"type": "text"}):
             raise ApiError.bad("response_format", "not with tools (a reply is a call or text); "
                                                   "give tool_choice: \"none\" for a formatted reply")
 
@@ -328,7 +339,7 @@ class ChatCompletionRequest(_Generation):
             choice = name
         if choice == "none":
             return None
-        return ToolPlan(tuple(t.function for t in self.tools), choice or "auto", self.parallel_tool_calls)
+        return ToolPlan(tuple(t.function for t in self.tools), choice or "auto", self.parallel_tool_calls is not False)
 
     def grammar(self) -> tuple[str, str] | None:
         plan = self.tool_plan()

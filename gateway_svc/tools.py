@@ -50,7 +50,8 @@ class Tool(BaseModel):
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: str  # JSON text, as OpenAI sends it ("" for no arguments, as some clients send)
+    parsed_arguments: Any = None  # the openai SDK's parse() adds it: not used
 
 
 class ToolCall(BaseModel):
@@ -60,6 +61,7 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"]
     function: FunctionCall
+    index: int | None = None  # a streamed call's, kept by clients that join the deltas: not used
 
 
 def call_text(calls: list[dict]) -> str:
@@ -97,11 +99,14 @@ class ToolPlan:
         return text + f" Call the function {self.choice}."
 
     def grammar(self) -> str:
-        """The reply's Lark grammar (llguidance's syntax)."""
+        """The reply's Lark grammar (llguidance's syntax). Each tool's parameters are a definition of
+        the calls' schema (`#/$defs/<name>`), their own references moved there with them."""
+        tools = self.offered()
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": t.name}, "arguments": t.parameters or {"type": "object"}}}
-                 for t in self.offered()]
+                  "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/{t.name}"}}}
+                 for t in tools]
         schema = {"x-guidance": JSON_OPTIONS, "type": "array", "minItems": 1,
+                  "$defs": {t.name: moved(t.parameters or {"type": "object"}, f"#/$defs/{t.name}") for t in tools},
                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if self.one_call():
             schema["maxItems"] = 1
@@ -122,6 +127,16 @@ class ToolPlan:
         return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
                 for c in calls]
+
+
+def moved(schema: Any, root: str) -> Any:
+    """A schema placed at `root` of another: its local references ("#...") made to point there."""
+    if isinstance(schema, dict):
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else moved(v, root)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [moved(v, root) for v in schema]
+    return schema
 
 
 def shown(turns: list[dict], plan: ToolPlan | None) -> list[dict]:

@@ -210,7 +210,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "with the openai client, greedy, at most "
              f"{meta['max_new_tokens']} tokens; medians of {meta['rounds']} interleaved rounds. off: constrained, "
              "speculation off; spec: constrained, the server's default speculation (SSM 0, the head, context lookup, "
-             f"the grammar's forced tokens); free: the same prompts without {without}, default speculation. "
+             "the grammar's forced tokens)"
+             + (f"; free: the same prompts without {without}, default speculation. "
+                if any(r["config"] == "free" for r in rows) else ". ")
+             + 
              f"Constrained outputs that parse and validate: off {meta['valid']['off']}, spec {meta['valid']['spec']} "
              f"of {meta['requests']} (the rest cut by max_new_tokens); outputs with speculation identical to off."
              + (" **Noisy neighbour**: a process spinning on one of the 2 cores for the whole run." if meta["neighbour"]
