@@ -321,25 +321,7 @@ class ChatCompletionRequest(_Generation):
 
     def tool_plan(self) -> ToolPlan | None:
         """What the reply may be with the request's tools; None: text, the tools not shown."""
-        choice = self.tool_choice
-        if not self.tools:
-            if choice not in (None, "none"):
-                raise ApiError.bad("tool_choice", "only with tools")
-            return None
-        names = [t.function.name for t in self.tools]
-        if len(set(names)) < len(names):
-            raise ApiError.bad("tools", "function names must differ")
-        if isinstance(choice, dict):
-            name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
-            if choice.get("type") != "function" or name is None or set(choice) != {"type", "function"}:
-                raise ApiError.bad("tool_choice", "\"none\", \"auto\", \"required\" or "
-                                                  "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-            if name not in names:
-                raise ApiError.bad("tool_choice", f"no tool is named {name!r}")
-            choice = name
-        if choice == "none":
-            return None
-        return ToolPlan(tuple(t.function for t in self.tools), choice or "auto", self.parallel_tool_calls is not False)
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     def grammar(self) -> tuple[str, str] | None:
         plan = self.tool_plan()
@@ -354,6 +336,28 @@ class ChatCompletionRequest(_Generation):
         return bool(self.logprobs)
 
     echo: ClassVar[bool] = False  # completions only
+
+
+def tool_plan(tools: list[Tool] | None, choice: str | dict | None, parallel: bool = True) -> ToolPlan | None:
+    """A request's tools and tool_choice as a plan (tools.py); None: text, the tools not shown."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ApiError.bad("tool_choice", "only with tools")
+        return None
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise ApiError.bad("tools", "function names must differ")
+    if isinstance(choice, dict):
+        name = choice["function"].get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or name is None or set(choice) != {"type", "function"}:
+            raise ApiError.bad("tool_choice", "\"none\", \"auto\", \"required\" or "
+                                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if name not in names:
+            raise ApiError.bad("tool_choice", f"no tool is named {name!r}")
+        choice = name
+    if choice == "none":
+        return None
+    return ToolPlan(tuple(t.function for t in tools), choice or "auto", parallel)
 
 
 def validation_error(errors: list[dict]) -> ApiError:

@@ -3,7 +3,8 @@ and chat use), so a client counts and splits text exactly as the server will:
 
 - `POST /tokenize` `{"prompt"}` (tokenized as a completions prompt; `add_special_tokens`, default
   true) or `{"messages"}` (through the chat template; `add_generation_prompt`, default true) ->
-  `{"count", "max_model_len", "tokens"}`;
+  `{"count", "max_model_len", "tokens"}`; with `tools` (and `tool_choice`) the conversation is the one
+  a chat request with them sends (tools.py);
 - `POST /detokenize` `{"tokens"}` -> `{"prompt"}`;
 - `GET /tokenizer_info` -> the special tokens, the chat template and the context length, which
   lm-evaluation-harness's `tokenizer_backend=remote` reads before it tokenizes through /tokenize.
@@ -13,11 +14,14 @@ and chat use), so a client counts and splits text exactly as the server will:
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict
 
 from specinfer_rpc.v1 import generation_pb2
 
-from .protocol import ApiError, ChatMessage
+from .protocol import ApiError, ChatMessage, tool_plan
+from .tools import Tool
 
 
 class TokenizeRequest(BaseModel):
@@ -27,6 +31,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -38,8 +44,10 @@ class DetokenizeRequest(BaseModel):
 def tokenized(gateway, body: TokenizeRequest, info: generation_pb2.ModelInfo) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError.bad("prompt", "give a prompt or messages, one of them")
+    if body.prompt is not None and (body.tools or body.tool_choice is not None):
+        raise ApiError.bad("tools", "only with messages")
     ids = (gateway.text_ids(body.prompt, body.add_special_tokens) if body.prompt is not None
-           else gateway.chat_ids(body.messages, body.add_generation_prompt))
+           else gateway.chat_ids(body.messages, body.add_generation_prompt, tool_plan(body.tools, body.tool_choice)))
     return {"count": len(ids), "max_model_len": info.context_length, "tokens": ids}
 
 

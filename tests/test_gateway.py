@@ -421,6 +421,10 @@ def test_tokenize_counts_as_completions_and_chat_do_and_detokenize_inverts_it(gw
     status, chat = post(url + "/tokenize", {"messages": messages})
     assert status == 200 and chat["count"] == c.chat.completions.create(
         model="llm", messages=messages, max_tokens=1).usage.prompt_tokens
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, with_tools = post(url + "/tokenize", {"messages": messages, "tools": tools, "tool_choice": "required"})
+    assert status == 200 and with_tools["count"] == c.chat.completions.create(
+        model="llm", messages=messages, tools=tools, tool_choice="required", max_tokens=1).usage.prompt_tokens > chat["count"]
     bare = post(url + "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"]
     assert post(url + "/detokenize", {"model": "llm", "tokens": bare}) == (200, {"prompt": text})
 
@@ -433,6 +437,8 @@ def test_tokenize_counts_as_completions_and_chat_do_and_detokenize_inverts_it(gw
     for path, body, status, field in (("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
                                       ("/tokenize", {"model": "llm"}, 400, "prompt"),
                                       ("/tokenize", {"prompt": "x", "return_token_strs": 1}, 400, "return_token_strs"),
+                                      ("/tokenize", {"prompt": "x", "tools": tools}, 400, "tools"),
+                                      ("/tokenize", {"messages": messages, "tool_choice": "auto"}, 400, "tool_choice"),
                                       ("/detokenize", {"tokens": [0, -1]}, 400, "tokens"),
                                       ("/detokenize", {"tokens": "12"}, 400, "tokens")):
         got = post(url + path, body)
