@@ -37,7 +37,7 @@ from specinfer.grammar import KINDS
 from specinfer.logprobs import MAX_TOP
 from specinfer.tree import parse_expansion, validate_expansion
 
-from .tools import Tool, ToolCall, ToolPlan, call_text
+from .tools import Tool, ToolCall, ToolChoice, ToolPlan, call_text
 
 MAX_N = 16  # choices per prompt at most
 GOLDEN = 0x9E3779B97F4A7C15  # choice j's seed: the request's plus j times this, modulo 2**64
@@ -304,7 +304,7 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = None  # unset: True
 
     def refuse_unsupported(self) -> None:

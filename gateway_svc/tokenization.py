@@ -14,14 +14,12 @@ and chat use), so a client counts and splits text exactly as the server will:
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 from pydantic import BaseModel, ConfigDict
 
 from specinfer_rpc.v1 import generation_pb2
 
 from .protocol import ApiError, ChatMessage, tool_plan
-from .tools import Tool
+from .tools import Tool, ToolChoice
 
 
 class TokenizeRequest(BaseModel):
@@ -32,7 +30,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: ToolChoice = None
 
 
 class DetokenizeRequest(BaseModel):

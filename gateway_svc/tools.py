@@ -54,6 +54,9 @@ class FunctionCall(BaseModel):
     parsed_arguments: Any = None  # the openai SDK's parse() adds it: not used
 
 
+ToolChoice = Literal["none", "auto", "required"] | dict[str, Any] | None  # a request's tool_choice, as sent
+
+
 class ToolCall(BaseModel):
     """A call in an earlier assistant message, as the client sends it back."""
 

@@ -16,11 +16,12 @@ are recorded in the tree (DraftGroup) for the verifier.
 
 Per level, every frontier row of every request goes through one forward, one top-k, one guess of
 the coupled sample and one sampling operation (each over the rows it applies to); the drawn tokens
-stay on the device and are the next level's input. A fixed expansion gives every request a static tree shape: every node gets exactly k_i children (a draw
-past the support of q, possible without replacement, is a *dead* node: computed like the others,
-dropped from the tree). The finished trees cross to the host in one copy; there, dead nodes are
-dropped and repeated draws of one token under one parent (with replacement) become one node whose
-children are the union of the repeats' children, each repeat's draws kept as their own group.
+stay on the device and are the next level's input. A fixed expansion gives every request a static
+tree shape: every node gets exactly k_i children (a draw past the support of q, possible without
+replacement, is a *dead* node: computed like the others, dropped from the tree). The finished trees
+cross to the host in one copy; there, dead nodes are dropped and repeated draws of one token under
+one parent (with replacement) become one node whose children are the union of the repeats'
+children, each repeat's draws kept as their own group.
 
 Dynamic trees (EAGLE-2, arXiv 2406.16858; `Speculator(dynamic=True)`), for requests with top-k
 drafts (greedy, or sampled and verified by coupled matching): the expansion <k_1, ..., k_m> is read
