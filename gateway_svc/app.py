@@ -96,12 +96,15 @@ class Tally:
     steps: int = 0
     finish: str | None = None  # OpenAI's finish_reason
     usage: generation_pb2.Usage | None = None  # the manager's, on its last message
+    prediction: list[int] = field(default_factory=lambda: [0, 0])  # its steps' accepted and rejected prediction tokens
 
     def step(self, msg: generation_pb2.GenerateResponse) -> tuple[str, int]:
         """Take one step's message; the text to send for it and how many of its tokens are output."""
         ids = [] if self.silent else list(msg.token_ids)
         self.tokens += ids
         self.steps += 1
+        self.prediction[0] += msg.accepted_prediction_tokens
+        self.prediction[1] += msg.rejected_prediction_tokens
         if msg.finish_reason:
             reason = FINISH_NAMES[msg.finish_reason]
             self.finish, self.usage = OPENAI_FINISH[reason], msg.usage
@@ -118,11 +121,13 @@ class Tally:
         return len(self.tokens) if self.usage is None or self.silent else self.usage.completion_tokens
 
 
-def usage_json(choices: list[Choice], prompt_tokens: int) -> dict:
+def usage_json(choices: list[Choice], prompt_tokens: int, predicted: bool = False) -> dict:
     """OpenAI's usage over all choices (each prompt counted once), plus the speculation figures. A stream cut by a stop string has no usage from the manager;
     its figures then come from the steps seen (each step's tokens are its accepted drafts plus one of
     the LLM's own), and its prompt counts no cached tokens. A prompt's cached tokens are those none of
-    its choices computed (the verifier's prefix cache held them)."""
+    its choices computed (the verifier's prefix cache held them). With a prediction (`predicted`),
+    OpenAI's completion_tokens_details: its tokens drafted and accepted, drafted and rejected, over
+    the steps seen."""
     tallies = [c.tally for c in choices]
     completion = sum(t.completion_tokens() for t in tallies)
     steps = sum(t.usage.verifier_steps if t.usage is not None else t.steps for t in tallies)
@@ -135,9 +140,13 @@ def usage_json(choices: list[Choice], prompt_tokens: int) -> dict:
         spec["no_tree_reason"] = next((t.usage.no_tree_reason for t in tallies if t.usage.no_tree_reason), "")
     cached = sum(min(c.tally.usage.cached_tokens if c.tally.usage is not None else 0 for c in same)
                  for _, same in itertools.groupby(choices, key=lambda c: id(c.prompt)))  # a prompt's choices
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached},
-            "speculation": spec}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached},
+             "speculation": spec}
+    if predicted:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(t.prediction[0] for t in tallies),
+                                              "rejected_prediction_tokens": sum(t.prediction[1] for t in tallies)}
+    return usage
 
 
 @dataclass
@@ -233,6 +242,8 @@ class Gateway:
                                f"--max-choices), got {len(prompts)} x {body.n}")
         stops, stop_ids, grammar, bias = body.stop_strings(), body.stop_ids(), body.grammar(), body.bias()
         seeds = choice_seeds(secrets.randbits(64) if body.seed is None else body.seed, body.n)
+        predicted = body.predicted_text()
+        prediction = self.text_ids(predicted, add_special_tokens=False) if predicted else []
         silent = body.echo and body.max_tokens == 0  # the prompt's logprobs only: one token is generated, not output
         texts = body.prompts() if body.echo else [None] * len(prompts)
         choices = []
@@ -249,7 +260,7 @@ class Gateway:
                                                        allowed_token_ids=body.allowed_token_ids or []),
                     stopping=generation_pb2.StoppingCriteria(max_new_tokens=1 if silent else body.max_tokens or 0,
                                                              stop_token_ids=stop_ids, ignore_eos=body.ignore_eos),
-                    priority=body.priority,
+                    priority=body.priority, prediction_token_ids=prediction,
                     speculation=speculation_pb(body.expansion()), return_draft_trees=body.return_draft_trees,
                     return_logprobs=body.wants_logprobs and not silent, top_logprobs=body.top,
                     return_prompt_logprobs=body.echo and body.wants_logprobs,
@@ -273,7 +284,8 @@ class Gateway:
         self.metrics.ttft.observe(time.perf_counter() - start)
         kind = "chat" if isinstance(body, ChatCompletionRequest) else "text"
         reply = Reply(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                      served, kind, body.return_draft_trees, body.wants_logprobs, self, plan)
+                      served, kind, body.return_draft_trees, body.wants_logprobs, self, plan,
+                      predicted=predicted is not None)
         prompt_tokens = sum(map(len, prompts))
         self.metrics.in_flight.inc()
         outcome = {"completed": False}
@@ -329,7 +341,7 @@ class Gateway:
                 else:
                     yield sse(item)
             if include_usage:
-                yield sse(reply.usage_chunk(usage_json(choices, prompt_tokens)))
+                yield sse(reply.usage_chunk(usage_json(choices, prompt_tokens, reply.predicted)))
         finally:
             for p in pumps:
                 p.cancel()
@@ -358,7 +370,7 @@ class Gateway:
             outputs = work.result()
         except grpc.aio.AioRpcError as e:
             raise ApiError.from_grpc(e.code().name, e.details() or "") from None
-        return JSONResponse(reply.whole(choices, outputs, usage_json(choices, prompt_tokens)))
+        return JSONResponse(reply.whole(choices, outputs, usage_json(choices, prompt_tokens, reply.predicted)))
 
 
 class CallStream(StreamingResponse):
@@ -417,6 +429,7 @@ class Reply:
     logprobs: bool  # the choices carry logprobs
     gateway: Gateway
     tools: ToolPlan | None = None  # chat with tools: a reply may be calls
+    predicted: bool = False  # the request had a prediction: usage carries completion_tokens_details
     role_sent: set[int] = field(default_factory=set)  # chat: the choices whose role was sent
 
     def _object(self, suffix: str = "") -> dict:
@@ -551,7 +564,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             "id": info.model_name, "object": "model", "created": 0, "owned_by": "specinfer",
             "specinfer": {"expansion": list(info.expansion), "tree_budget": info.tree_budget,
                           "speculators": info.speculators, "context_lookup_mask": info.context_lookup_mask,
-                          "grammar_mask": info.grammar_mask,
+                          "grammar_mask": info.grammar_mask, "prediction_mask": info.prediction_mask,
                           "drafters": list(info.drafter_names),
                           "context_length": info.context_length,
                           "default_max_new_tokens": info.default_max_new_tokens,

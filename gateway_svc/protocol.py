@@ -16,6 +16,9 @@ them, with vLLM's extensions `repetition_penalty` and `min_tokens`: exact under 
 `include_stop_str_in_output` are taken too, and vLLM's `allowed_token_ids`.
 `tools`, `tool_choice` and `parallel_tool_calls` (chat): one call format for every model, enforced by
 a grammar (tools.py); an assistant message's `tool_calls` and `tool` messages in the conversation.
+`prediction` (OpenAI's Predicted Outputs, `{"type": "content", "content": ...}`; on completions too):
+drafted where the output follows it (specinfer/prediction.py), the output unchanged, with any other
+parameter; usage then carries `completion_tokens_details` (accepted and rejected prediction tokens).
 Parameters the system cannot honour are refused with 400 naming them, never silently ignored:
 `best_of`, `suffix`. They are accepted at their neutral values (`best_of: 1`), which some clients
 always send.
@@ -111,6 +114,27 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+def text_of(content: str | list[dict[str, Any]] | None, name: str) -> str:
+    """A message's (or a prediction's) content as text: a string, or text parts joined; 400 naming
+    `name` for parts of another kind."""
+    if not isinstance(content, list):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError.bad(name, "only text parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+class PredictionContent(BaseModel):
+    """OpenAI's Predicted Outputs: text the output is expected to repeat."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -146,6 +170,11 @@ class _Generation(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM's: as token ids in stop
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
+    prediction: PredictionContent | None = None  # OpenAI's Predicted Outputs
+
+    def predicted_text(self) -> str | None:
+        """The prediction's text (None: no prediction)."""
+        return None if self.prediction is None else text_of(self.prediction.content, "prediction.content")
 
     def bias(self) -> dict[int, float]:
         """logit_bias with its keys as token ids (the manager checks them against the vocabulary)."""
@@ -268,14 +297,7 @@ class ChatMessage(BaseModel):
     function_call: None = None  # the deprecated single call: use tool_calls
 
     def text(self, index: int) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError.bad(f"messages[{index}].content", "only text parts are supported")
-                parts.append(part["text"])
-            return "".join(parts)
-        return self.content or ""
+        return text_of(self.content, f"messages[{index}].content")
 
     def turn(self, index: int) -> dict:
         """The message as the chat template takes it; an assistant's calls follow its text."""

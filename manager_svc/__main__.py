@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.controller import SpeculationController
 from specinfer.engine import PREFILL_CHUNK, SpeculativeEngine, default_tree_budget, steps_ahead_for
+from specinfer.prediction import prediction_tokens
 from specinfer.grammar import Grammars
 from specinfer.lookup import CHAIN_TOKENS
 from specinfer.tree import validate_expansion
@@ -134,7 +135,8 @@ async def main(cfg: ManagerConfig) -> None:
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
                                else None,
-                               lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead)
+                               lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
+                               prediction_tokens(vinfo.device))
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks,
@@ -143,7 +145,8 @@ async def main(cfg: ManagerConfig) -> None:
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=tree_budget,
-        context_lookup_mask=1 << len(speculators) if lookup else 0, grammar_mask=1 << (len(speculators) + 1))
+        context_lookup_mask=1 << len(speculators) if lookup else 0, grammar_mask=1 << (len(speculators) + 1),
+        prediction_mask=1 << engine.prediction_source)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
     servicer = GenerationServicer(scheduler, tokenizer, info)

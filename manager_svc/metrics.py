@@ -40,7 +40,8 @@ FINISHED = Counter("specinfer_requests_finished", "requests ended, by reason (eo
 DRAFT_TOKENS = Counter("specinfer_draft_tokens", "draft tree nodes sent to the verifier, by tree depth", ["depth"])
 ACCEPTED_TOKENS = Counter("specinfer_accepted_tokens", "draft tokens accepted, by tree depth", ["depth"])
 DRAFTER_TOKENS = Counter("specinfer_drafter_draft_tokens", "draft tree nodes each drafter proposed (speculator-i in "
-                         "the order of --speculators, lookup: context lookup, grammar: a grammar's forced tokens)",
+                         "the order of --speculators, lookup: context lookup, grammar: a grammar's forced tokens, "
+                         "prediction: a request's prediction)",
                          ["drafter"])
 DRAFTER_ACCEPTED = Counter("specinfer_drafter_accepted_tokens", "of those, the nodes the LLM accepted: each drafter's "
                            "own acceptance, as deep as its tree alone would have been accepted", ["drafter"])
@@ -53,7 +54,7 @@ ITERATION = Histogram("specinfer_iteration_seconds", "one scheduler iteration (d
 
 def drafter_label(number: int, speculators: int) -> str:
     """A drafter's label: its number as the engine counts drafters (the draft trees' proposer bits)."""
-    return f"speculator-{number}" if number < speculators else ("lookup", "grammar")[number - speculators]
+    return f"speculator-{number}" if number < speculators else ("lookup", "grammar", "prediction")[number - speculators]
 
 
 def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float,

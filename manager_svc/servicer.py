@@ -37,7 +37,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                           or context - len(pb.prompt_token_ids),
                           sampling_from_pb(pb.sampling), tuple(stopping.stop_token_ids), stopping.ignore_eos,
                           pb.request_id, pb.return_logprobs, pb.return_prompt_logprobs, pb.top_logprobs,
-                          grammar_from_pb(pb.response_format), pb.priority)
+                          grammar_from_pb(pb.response_format), pb.priority, tuple(pb.prediction_token_ids))
         validate(request, self.info.vocab_size, context, self.info.max_new_tokens_cap or None)
         mode = pb.speculation.mode
         if mode == generation_pb2.SPECULATION_MODE_OFF:
@@ -72,7 +72,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @staticmethod
     def chunk_to_pb(seq: Stream, chunk: Chunk) -> generation_pb2.GenerateResponse:
         response = generation_pb2.GenerateResponse(token_ids=chunk.tokens, logprobs=chunk.logprobs,
-                                                   prompt_logprobs=chunk.prompt_logprobs)
+                                                   prompt_logprobs=chunk.prompt_logprobs,
+                                                   accepted_prediction_tokens=chunk.prediction[0],
+                                                   rejected_prediction_tokens=chunk.prediction[1])
         if seq.want_trees and chunk.tree is not None:
             response.draft_tree.CopyFrom(generation_pb2.DraftTreeStep(
                 token_ids=chunk.tree.tokens, parents=chunk.tree.parents, speculators=chunk.proposers,
@@ -85,7 +87,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 verifier_steps=seq.steps, mean_tokens_per_step=len(seq.generated) / seq.steps,
                 accepted_draft_tokens=sum(seq.accepted), tree_steps=seq.tree_steps,
                 no_tree_reason=reasons[0][0] if reasons else "", cached_tokens=seq.cached_tokens,
-                preemptions=seq.preemptions))
+                preemptions=seq.preemptions,
+                accepted_prediction_tokens=seq.prediction.accepted if seq.prediction is not None else 0,
+                rejected_prediction_tokens=seq.prediction.rejected if seq.prediction is not None else 0))
         return response
 
     @rpc_errors

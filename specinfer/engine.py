@@ -10,7 +10,10 @@ One iteration over a batch of running requests:
      `lookup_tokens` tokens, or as deep as the planned tree (0); then every drafter at once (SSMs in
      this process, or speculator services), for every request, or with lookup's chain first only
      for those lookup found nothing for; a constrained request's grammar drafts the tokens it
-     forces (grammar.py); merge each request's trees into one, and drop what its grammar forbids;
+     forces (grammar.py), and a request with a prediction the chain from it where the output
+     follows it (prediction.py), whatever the controller chose, in place of the drafters' trees
+     (lookup's chain still joins it); merge each request's trees into one, and drop what its
+     grammar forbids;
   3. verify: one batched step; a new request's prompt rides in the same step as the others' trees;
      a constrained request's rows are masked to what its grammar allows there;
   4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
@@ -46,6 +49,7 @@ from .grammar import FORCED_TOKENS, Constraint, Grammars, GrammarSpec
 from .logprobs import MAX_TOP
 from .lookup import ContextIndex, chain_outcome, chain_tree
 from .masks import AllowedTokens
+from .prediction import PREDICTION_TOKENS, START_TOKENS, Prediction
 from .sampling import SamplingParams
 from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size
 
@@ -97,6 +101,7 @@ class Request:
     top_logprobs: int = 0  # with each of them, the most likely tokens there
     grammar: GrammarSpec | None = None  # constrained output: what the generated text must match (grammar.py)
     priority: int = 0  # scheduling: lower values first (the manager's scheduler; vLLM's extension)
+    prediction: tuple[int, ...] = ()  # what the output is expected to repeat, drafted where it does (prediction.py)
 
 
 @dataclass
@@ -112,6 +117,7 @@ class Generation:
     prompt_logprobs: list | None = None  # of the prompt's tokens but the first, if asked
     # each drafter's own (accepted, drafted) nodes over the request, numbered as Chunk.drafters
     drafters: dict[int, tuple[int, int]] = field(default_factory=dict)
+    prediction: tuple[int, int] = (0, 0)  # of its prediction's tokens, those accepted and rejected (prediction.py)
 
     @property
     def tokens_per_step(self) -> float:
@@ -126,6 +132,9 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
     check_token_ids("stop_token_ids", req.stop_token_ids, vocab_size)
     check_token_ids("logit_bias", [t for t, _ in req.sampling.logit_bias], vocab_size)
     check_token_ids("allowed_token_ids", req.sampling.allowed_token_ids, vocab_size)
+    check_token_ids("prediction", req.prediction, vocab_size)
+    if len(req.prediction) > context:
+        raise ValueError(f"prediction: {len(req.prediction)} tokens, more than the context length {context}")
     if req.max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {req.max_new_tokens}")
     if max_new_tokens_cap is not None and req.max_new_tokens > max_new_tokens_cap:
@@ -247,7 +256,8 @@ class Chunk:
     accepted: int = 0  # draft tokens among them
     tree: TokenTree | None = None  # the merged tree the step verified (None: none)
     # for a request that asked for its trees: which drafters proposed each node (bit i: drafter i,
-    # context lookup the bit after them, the grammar's forced tokens the next) and the nodes the verifier accepted
+    # context lookup the bit after them, the grammar's forced tokens the next, the request's prediction the
+    # next) and the nodes the verifier accepted
     proposers: list[int] = field(default_factory=list)
     accepted_nodes: list[int] = field(default_factory=list)
     # each drafter's own share of the tree, by the numbers of `proposers`' bits: (its nodes the LLM
@@ -255,6 +265,7 @@ class Chunk:
     drafters: dict[int, tuple[int, int]] = field(default_factory=dict)
     logprobs: list | None = None  # of each token, for a request that asked (logprobs.TokenLogprob)
     prompt_logprobs: list | None = None  # the prompt's (all but its first token), with the first chunk
+    prediction: tuple[int, int] = (0, 0)  # of its prediction's tokens (prediction.py), the step's accepted and rejected
 
 
 def add_tallies(a: dict, b: dict) -> dict:
@@ -284,6 +295,11 @@ class Sequence:
     by_drafter: dict = field(default_factory=dict)  # drafter number -> its own acceptance on this request (controller.py)
     cached_tokens: int = 0  # of its prompt, the tokens whose KV entries the verifier's prefix cache held
     preemptions: int = 0  # times its state was dropped everywhere to make room, and its record prefilled again
+    prediction: Prediction | None = None  # where its output stands in request.prediction, if it has one
+
+    def __post_init__(self):
+        if self.request.prediction:
+            self.prediction = Prediction(self.request.prediction)
 
     @property
     def id(self) -> str:
@@ -366,7 +382,7 @@ class SpeculativeEngine:
     def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
                  lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None,
-                 prefill_chunk: int = 0, steps_ahead: bool = False):
+                 prefill_chunk: int = 0, steps_ahead: bool = False, prediction_tokens: int = PREDICTION_TOKENS["cpu"]):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
         if prefill_chunk < 0:
@@ -386,6 +402,7 @@ class SpeculativeEngine:
         # plain steps are sent ahead (module docstring): the backend must send a step when its `verify`
         # call starts, before the call's first await, and answer steps in order (the manager's client does)
         self.steps_ahead = steps_ahead
+        self.prediction_tokens = prediction_tokens  # the longest chain drafted from a request's prediction
         self.verifier_release: set[str] = set()  # sent with the next verify call
         self.ahead: Ahead | None = None  # the step sent ahead, in flight
         self.chosen: tuple[int, Choice] | None = None  # the controller's choice for the next step (batch size, choice)
@@ -412,8 +429,9 @@ class SpeculativeEngine:
         expansion = seq.expansion if seq.expansion is not None else (
             fit_expansion(self.expansion, self.tree_budget) if self.tree_budget is not None else self.expansion)
         chain = (self.lookup_tokens or len(expansion)) if self.lookup and expansion else 0
-        forced = FORCED_TOKENS if seq.request.grammar is not None and expansion else 0
-        return tree_size(expansion) * len(self.drafters) + chain + forced
+        forced = FORCED_TOKENS if seq.request.grammar is not None and seq.expansion != [] else 0  # as iteration does
+        predicted = min(self.prediction_tokens, len(seq.request.prediction)) if seq.expansion != [] else 0
+        return tree_size(expansion) * len(self.drafters) + chain + forced + predicted
 
     # -- releasing state --------------------------------------------------------------------
     def release(self, request_id: str) -> None:
@@ -458,7 +476,14 @@ class SpeculativeEngine:
             batch = [s for s in batch if s.id not in chunks]
         full_trees = self._full_trees(len(batch))
         choice = self._choose(len(batch), full_trees)
-        trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees))
+        predicted = self._predicted(batch)
+        trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees),
+                                                                                  predicted)
+        for s in batch:
+            if chain := predicted.get(s.id):
+                own = chain_tree(chain, s.request.sampling.sampled_drafts)
+                trees[s.id] = merge([trees[s.id], own]) if s.id in trees else own
+                sources.setdefault(s.id, {})[self.prediction_source] = own
         for s in batch:
             if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
                 for d in self.drafters:
@@ -483,9 +508,11 @@ class SpeculativeEngine:
         # features for the steps that speculate for the request (also where context lookup's chain
         # stood in for the drafters: the head's next draft needs these rows; a prefill that speculates
         # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
-        # worse there, never wrongly), and a load at which the controller decodes plainly pays for none
+        # worse there, never wrongly), and a load at which the controller decodes plainly pays for none; a
+        # step that drafts from the request's prediction asks none, unless it is the prefill (the prompt's)
         features = self.wants_features
-        checks = [self._check(s, trees.get(s.id, TokenTree()), features and s.id in plans, allowed.get(s.id))
+        checks = [self._check(s, trees.get(s.id, TokenTree()),
+                              features and s.id in plans and (s.id not in predicted or not s.steps), allowed.get(s.id))
                   for s in batch]
         checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
                          TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
@@ -506,7 +533,9 @@ class SpeculativeEngine:
         # the slowest drafter's own time this iteration (0: none was asked)
         draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0
         if self.controller is not None and steady:
-            on_server = [(s, r) for s, r in zip(batch, results) if s.expansion is None and s.id in plans]
+            # (a prediction's chain lengthens the accepted path past what the server's trees planned)
+            on_server = [(s, r) for s, r in zip(batch, results)
+                         if s.expansion is None and s.id in plans and s.id not in predicted]
             self.controller.record(Iteration(
                 batch_size=len(batch), choice=choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
                 trees=bool(trees), draft_levels=levels, draft_nodes=nodes,
@@ -556,7 +585,8 @@ class SpeculativeEngine:
         then holds one token more than their record); None where it is not sent."""
         if not self.steps_ahead or not seqs:
             return None
-        if any(s.constraint is not None or (s.id not in in_flight and self._chunk(s)) for s in seqs):
+        if any(s.constraint is not None or (s.prediction is not None and s.expansion != [] and s.prediction.drafting)
+               or (s.id not in in_flight and self._chunk(s)) for s in seqs):  # (a prediction's chain needs the answer)
             return None
         fits = len(full_trees := self._full_trees(len(seqs)))
         choice = self._choose(len(seqs), full_trees)
@@ -626,6 +656,11 @@ class SpeculativeEngine:
         before = len(s.generated)
         s.finish_reason = append_tokens(s.generated, s.request, tokens, self.eos)
         emitted = s.generated[before:]
+        predicted = (0, 0)
+        if s.prediction is not None:  # what the verifier checked of its chain (not what a grammar pruned)
+            own = sources.get(self.prediction_source)
+            chain = own.tokens[:len(path_along(tree, own.tokens))] if own is not None and tree is not None else []
+            predicted = s.prediction.commit(emitted, s.generated, chain, tokens)
         if s.constraint is not None:
             advance_start = time.perf_counter()
             s.constraint.advance(emitted)
@@ -634,7 +669,7 @@ class SpeculativeEngine:
         s.accepted.append(accepted)
         chunk = Chunk(emitted, s.finish_reason, accepted, tree,
                       logprobs=v.logprobs[: len(emitted)] if s.request.logprobs else None,
-                      prompt_logprobs=v.prompt_logprobs)
+                      prompt_logprobs=v.prompt_logprobs, prediction=predicted)
         if tree is None:
             return chunk
         for i, own in sources.items():  # how deep the LLM accepted each drafter's tree alone
@@ -653,6 +688,20 @@ class SpeculativeEngine:
             for u in forced:  # the grammar's drafts: the bit after context lookup's
                 chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
         return chunk
+
+    @property
+    def prediction_source(self) -> int:
+        """The drafter number of requests' predictions (Chunk.proposers): the one after the grammar's."""
+        return len(self.drafters) + 2
+
+    def _predicted(self, batch: list[Sequence]) -> dict[str, list[int]]:
+        """Each request's chain from its prediction this step, where it has one: drafted whatever the
+        controller chose (the client said what to expect), unless the request turned speculation off;
+        within the batch's share of the tree budget, so that a crowd's chains cost what its trees may."""
+        longest = self.prediction_tokens if self.tree_budget is None else min(
+            self.prediction_tokens, max(START_TOKENS, self.tree_budget // max(len(batch), 1)))
+        return {s.id: chain for s in batch if s.prediction is not None and s.expansion != []
+                and (chain := s.prediction.draft(min(longest, self._room(s))))}
 
     def _failed(self, batch: list[Sequence], release: list[str], error: VerifierLost | VerifierUnavailable
                 ) -> list[tuple[Sequence, Chunk | Exception]]:
@@ -727,23 +776,27 @@ class SpeculativeEngine:
         it chose lookup's chain first and lookup found none for the request (the SSMs stand in)."""
         return choice.speculators or seq.expansion is not None or not chain
 
-    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int) -> tuple[
+    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
+                     ) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
             dict[str, tuple[list[int], int]], tuple[int, int, set[str]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), the
         trees it merged by drafter number (context lookup's: the number after the drafters'), the expansion config each drafted request was planned, with
         context lookup on the chain it found for each (maybe none) and the most tokens it could have
         drafted, and the deepest tree asked of the drafters (0: they were not asked), the nodes asked
-        in all, and the requests they were asked for."""
+        in all, and the requests they were asked for. A request in `predicted` drafts from its
+        prediction this step, merged with lookup's chain: the drafters are not asked for it, and no
+        reason for having no tree is counted for it."""
         drafting = []
         for s in batch:
             if plan := self._plan(s, choice):
                 drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features)))
-            else:
+            elif s.id not in predicted:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not (self.drafters or self.lookup):
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
-                s.no_tree["no drafters configured"] += 1
+                if s.id not in predicted:
+                    s.no_tree["no drafters configured"] += 1
             return {}, {}, {s.id: d.expansion for s, d in drafting}, {}, (0, 0, set())
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
@@ -751,7 +804,8 @@ class SpeculativeEngine:
                 s.context.extend(d.record.tail(len(s.context.tokens)))
                 room = min(self.lookup_tokens or len(d.expansion), self._room(s))
                 chains[s.id] = (s.context.draft(room), room)
-        asked = ([d for s, d in drafting if self._asks(s, choice, chains.get(s.id, ([], 0))[0])]
+        asked = ([d for s, d in drafting
+                  if s.id not in predicted and self._asks(s, choice, chains.get(s.id, ([], 0))[0])]
                  if self.drafters else [])
         seqs = {s.id: s for s, _ in drafting}
         each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
@@ -770,6 +824,8 @@ class SpeculativeEngine:
             if chain := chains.get(s.id, ([], 0))[0]:
                 trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
+                if s.id in predicted:
+                    continue
                 s.no_tree["no drafter sent a tree in time" if s.id in asked_ids else
                           "the drafters rarely agree with the LLM on this request (cut off until a probe)"
                           if asked else "context lookup found no earlier occurrence to continue"] += 1

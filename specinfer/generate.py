@@ -29,6 +29,7 @@ from .kv_cache import POOL_TOKENS
 from .graphs import GraphConfig
 from .lookup import CHAIN_TOKENS
 from .model import LlamaModel
+from .prediction import prediction_tokens
 from .speculator import DraftRequest, Speculator
 from .tree import TokenTree
 from .verifier import Verifier, VerifyRequest
@@ -135,7 +136,7 @@ class Engine:
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
             SpeculationController(lookup=lookup, chain=lookup_tokens) if adaptive else None, lookup,
-            lookup_tokens, grammars, prefill_chunk)
+            lookup_tokens, grammars, prefill_chunk, prediction_tokens=prediction_tokens(llm.device.type))
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:
@@ -159,7 +160,8 @@ class Engine:
         bar.close()
         return [Generation(s.id, s.generated, s.finish_reason, s.steps, s.accepted, s.tree_steps,
                            s.no_tree.most_common(1)[0][0] if s.no_tree else "", *logprobs.get(s.id, (None, None)),
-                           drafters[s.id])
+                           drafters[s.id],
+                           (s.prediction.accepted, s.prediction.rejected) if s.prediction is not None else (0, 0))
                 for s in seqs]
 
     async def _run(self, seqs: list[Sequence], bar, logprobs: dict, drafters: dict) -> None:

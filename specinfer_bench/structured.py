@@ -146,30 +146,37 @@ def noisy_neighbour(on: bool):
         hog.wait()
 
 
+def start_gateways(system: System, llm: str, keys: list) -> tuple[dict, dict]:
+    """The services as `specinfer serve` runs them on the default LLM (the verifier with the head's
+    feature layers, SSM 0's speculator and the head's), then a manager and its gateway for each of
+    `keys` (a manager's controller learns from its own requests only): (managers, gateways) by key."""
+    heads = served_heads()
+    layers = ",".join(map(str, head_layers(heads[0], llm)))
+    verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", llm, f"--feature-layers={layers}"], 120)
+    specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
+                                                             "--threads", "1"], 120),
+             system.start("speculator-head-0", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(heads[0]),
+                                                                  "--llm", llm, "--threads", "1"], 120)]
+    managers, gateways = {}, {}
+    for key in keys:
+        name = "-".join(map(str, key)) if isinstance(key, tuple) else str(key)
+        managers[key] = system.start(
+            f"manager-{name}", "manager_svc",
+            ["--port", "0", "--verifier", verifier.address, "--tokenizer", llm, "--max-batch", "64",
+             "--speculators", ",".join(s.address for s in specs)], 120)
+        gateways[key] = system.start(f"gateway-{name}", "gateway_svc",
+                                     ["--port", "0", "--manager", managers[key].address, "--tokenizer", llm], 120,
+                                     http="http")
+    return managers, gateways
+
+
 def measure(llm: str, entries: list[dict], configs: list[str], levels: list[int], max_new_tokens: int, rounds: int,
             neighbour: bool) -> tuple[list[dict], dict]:
     logs = Path(tempfile.mkdtemp(prefix="specinfer-structured-"))
     system = System(log_dir=logs)
-    managers, gateways, runs, valid = {}, {}, {}, {}
+    runs, valid = {}, {}
     try:
-        heads = served_heads()
-        layers = ",".join(map(str, head_layers(heads[0], llm)))
-        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", llm, f"--feature-layers={layers}"],
-                                120)
-        specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
-                                                                 "--threads", "1"], 120),
-                 system.start("speculator-head-0", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(heads[0]),
-                                                                      "--llm", llm, "--threads", "1"], 120)]
-        for config in configs:
-            for c in levels:
-                name = f"{config}-{c}"
-                managers[config, c] = system.start(
-                    f"manager-{name}", "manager_svc",
-                    ["--port", "0", "--verifier", verifier.address, "--tokenizer", llm, "--max-batch", "64",
-                     "--speculators", ",".join(s.address for s in specs)], 120)
-                gateways[config, c] = system.start(
-                    f"gateway-{name}", "gateway_svc",
-                    ["--port", "0", "--manager", managers[config, c].address, "--tokenizer", llm], 120, http="http")
+        managers, gateways = start_gateways(system, llm, [(config, c) for config in configs for c in levels])
         with noisy_neighbour(neighbour):
             outputs = {}
             for config in ("off", "spec"):  # exactness before any figure

@@ -82,7 +82,8 @@ def request_pb(req: Request, speculation: str | None = None) -> generation_pb2.G
         stopping=generation_pb2.StoppingCriteria(max_new_tokens=req.max_new_tokens,
                                                  stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos),
         speculation=speculation_pb(speculation), return_logprobs=req.logprobs, top_logprobs=req.top_logprobs,
-        return_prompt_logprobs=req.prompt_logprobs, response_format=grammar_to_pb(req.grammar))
+        return_prompt_logprobs=req.prompt_logprobs, response_format=grammar_to_pb(req.grammar),
+        prediction_token_ids=req.prediction)
 
 
 @dataclass

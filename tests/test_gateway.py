@@ -246,7 +246,10 @@ def test_a_chats_next_turn_finds_the_earlier_turns_in_the_prefix_cache(gw, token
     ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ({"extra_body": {"allowed_token_ids": [10 ** 9]}}, "allowed_token_ids"),
     ({"extra_body": {"stop": [10 ** 9]}}, "stop"), ({"extra_body": {"not_a_parameter": 1}}, "not_a_parameter"),
-    ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt")])
+    ({"prompt": ""}, "prompt"), ({"prompt": [[1]] * 513, "n": 2}, "prompt"),
+    ({"extra_body": {"prediction": {"type": "text", "content": "x"}}}, "prediction.type"),
+    ({"extra_body": {"prediction": {"type": "content", "content": [{"type": "image_url"}]}}}, "prediction.content"),
+    ({"extra_body": {"prediction": {"type": "content", "content": "def f(x):\n" * 600}}}, "prediction")])
 def test_bad_or_unsupported_parameters_get_400_naming_the_field(gw, params, field):
     kw = {"model": "llm", "prompt": "x", "max_tokens": 4, **params}
     with pytest.raises(openai.BadRequestError) as e:
@@ -622,3 +625,46 @@ def test_a_streamed_reply_is_held_back_only_while_it_may_be_a_call():
     s = StreamedCalls(ToolPlan((FunctionDef(name="f"),), "required"))
     assert [s.add(p) for p in ("<tool_call>", '[{"name": "f", ')] == ["", ""]
     assert s.end() == ('<tool_call>[{"name": "f", ', None)  # cut short (max_tokens): the text as it is
+
+
+def test_a_prediction_leaves_the_text_unchanged_and_usage_counts_what_was_drafted_from_it(gw, tokenizer,
+                                                                                       heldout_prompts):
+    """Completions and chat, streamed or not: the LLM's own text with a prediction of it, of an
+    edited copy or of unrelated text; usage says how many of its tokens were drafted and accepted
+    or rejected (OpenAI's completion_tokens_details)."""
+    c = client(gw["url"])
+    prompt = heldout_prompts[2]["prompt"]
+    want, _ = reference_text(tokenizer, tokenizer(prompt)["input_ids"], 40, ignore_eos=True)
+    for prediction, held in ((want, True), (want.replace("(", "[").replace(" ", "  ", 3), False),
+                             ("Nothing like it at all.", False)):
+        # (a fixed tree: the same steps streamed or not, whatever the controller would explore)
+        extra = {"ignore_eos": True, "speculation": "2,1,1", "prediction": {"type": "content", "content": prediction}}
+        whole = c.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0, extra_body=extra)
+        assert whole.choices[0].text == want
+        details = whole.usage.completion_tokens_details
+        if held:  # (the text tokenized alone is not always tokenized as the output was)
+            assert details.accepted_prediction_tokens > details.rejected_prediction_tokens
+        elif prediction != want:  # a wrong prediction: what it got wrong was drafted and rejected
+            assert details.rejected_prediction_tokens > 0
+        chunks = list(c.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert chunks[-1].usage.completion_tokens_details == details
+    plain = c.completions.create(model="llm", prompt=prompt, max_tokens=4, temperature=0)
+    assert plain.usage.completion_tokens_details is None  # only with a prediction
+    stop = want[len(want) // 2:len(want) // 2 + 3]  # cut by a stop string: the counts of the steps seen
+    cut = c.completions.create(model="llm", prompt=prompt, max_tokens=40, temperature=0, stop=[stop],
+                               extra_body={"ignore_eos": True, "prediction": {"type": "content", "content": want}})
+    assert cut.choices[0].text == want[:want.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client(gw["strict"], "sesame")
+    want, _ = reference_text(tokenizer, tokenizer("### user:\ndef add(a, b):\n### assistant:\n")["input_ids"], 24,
+                             ignore_eos=True)
+    parts = [{"type": "text", "text": want[:10]}, {"type": "text", "text": want[10:]}]
+    reply = chat.chat.completions.create(model="llm", messages=messages, max_tokens=24, temperature=0,
+                                         prediction={"type": "content", "content": parts},
+                                         extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == want
+    assert reply.usage.completion_tokens_details.accepted_prediction_tokens > 0

@@ -252,6 +252,22 @@ def test_the_grammars_forced_tokens_are_drafted_and_accepted(fixture_models, hel
     assert sum(g.accepted) >= 8 and g.steps < plain.steps
 
 
+def test_a_prediction_beside_a_grammar_gives_the_constrained_output_and_counts_no_pruned_node(fixture_models,
+                                                                                             heldout_prompts):
+    """A prediction that starts with a token the grammar forbids: its first chain is pruned whole
+    (verified nowhere, so rejected nowhere), the token taken for a substitution, and the rest of the
+    prediction, the constrained output itself, drafted with no token rejected."""
+    tok, llm, ssms, grammars = fixture_models
+    req = Request(tok.encode(heldout_prompts[2]["prompt"]).ids, 96,
+                  grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS["nested"])))
+    (plain,) = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate([req])
+    forbidden = next(t for t in tok.encode("x q z").ids if t not in plain.token_ids)  # (a swap of it never drafts)
+    engine = Engine(llm, ssms[:1], Mode.TREE, [2, 1, 1], lookup=True, adaptive=True, grammars=grammars)
+    (g,) = engine.generate([dataclasses.replace(req, prediction=(forbidden, *plain.token_ids[1:]))])
+    assert g.token_ids == plain.token_ids
+    assert g.prediction[1] == 0 and g.prediction[0] > 0
+
+
 def test_the_grammars_forced_tokens_are_drafted_when_the_controller_decodes_plainly(fixture_models, heldout_prompts):
     """The cost model chooses plain decoding at every step: the forced tokens still go in the tree."""
     tok, llm, ssms, grammars = fixture_models

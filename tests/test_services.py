@@ -219,6 +219,9 @@ BAD_REQUESTS = {
     "speculation.expansion": dict(speculation=generation_pb2.Speculation(
         mode=generation_pb2.SPECULATION_MODE_FIXED, expansion=[2, 0])),
     "speculation.expansion ": dict(speculation=generation_pb2.Speculation(mode=generation_pb2.SPECULATION_MODE_FIXED)),
+    "prediction": dict(prediction_token_ids=[5, VOCAB]),
+    "prediction ": dict(prediction_token_ids=[-1]),
+    "prediction  ": dict(prediction_token_ids=[5] * (CONTEXT + 1)),
 }
 
 

@@ -461,11 +461,13 @@ function drafterName(s) {
   return server?.specinfer?.drafters?.[s] || `SSM ${s}`;
 }
 
-/** Who drafts with bit s: a speculator, the manager's context lookup, or a constrained request's grammar. */
+/** Who drafts with bit s: a speculator, the manager's context lookup, a constrained request's grammar or a
+ * request's prediction. */
 function drafterLabel(s) {
   const info = server?.specinfer || {};
   if ((1 << s) === (info.context_lookup_mask || 0)) return 'context lookup';
   if ((1 << s) === (info.grammar_mask || 0)) return 'grammar (forced tokens)';
+  if ((1 << s) === (info.prediction_mask || 0)) return 'prediction';
   return drafterName(s);
 }
 
@@ -474,7 +476,7 @@ function drawLegend(speculators) {
   speculators = legendFor;
   const info = server?.specinfer || {};
   const served = Math.max(info.speculators || 0, (info.drafters || []).length);
-  const own = s => (1 << s) === info.context_lookup_mask || (1 << s) === info.grammar_mask;  // the manager's drafters
+  const own = s => [info.context_lookup_mask, info.grammar_mask, info.prediction_mask].includes(1 << s);  // the manager's
   const items = [];
   for (let s = 0; s < speculators; s++) {
     if (!(s < served || own(s))) continue;

@@ -26,43 +26,43 @@ _sym_db = _symbol_database.Default()
 from specinfer_rpc.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/generation.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"\x85\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x30\n\x08stopping\x18\x04 \x01(\x0b\x32\x1e.specinfer.v1.StoppingCriteria\x12.\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x19.specinfer.v1.Speculation\x12\x1a\n\x12return_draft_trees\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\x12\x35\n\x0fresponse_format\x18\n \x01(\x0b\x32\x1c.specinfer.v1.ResponseFormat\x12\x10\n\x08priority\x18\x0b \x01(\x05\"i\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"M\n\x0bSpeculation\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.specinfer.v1.SpeculationMode\x12\x11\n\texpansion\x18\x02 \x03(\x05\"\x90\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12/\n\ndraft_tree\x18\x04 \x01(\x0b\x32\x1b.specinfer.v1.DraftTreeStep\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\"Z\n\rDraftTreeStep\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0bspeculators\x18\x03 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x05\"\xe6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0everifier_steps\x18\x03 \x01(\x05\x12\x1c\n\x14mean_tokens_per_step\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\x12\x12\n\ntree_steps\x18\x06 \x01(\x05\x12\x16\n\x0eno_tree_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x13\n\x0bpreemptions\x18\t \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xa5\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\x05\x12\x11\n\texpansion\x18\x07 \x03(\x05\x12\x13\n\x0btree_budget\x18\x08 \x01(\x05\x12\x13\n\x0bspeculators\x18\t \x01(\x05\x12\x1b\n\x13\x63ontext_lookup_mask\x18\n \x01(\r\x12\x15\n\rdrafter_names\x18\x0b \x03(\t\x12\x14\n\x0cgrammar_mask\x18\x0c \x01(\r\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*i\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xc1\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specinfer.v1.GetModelInfoRequest\x1a\x17.specinfer.v1.ModelInfo\x12I\n\x08Tokenize\x12\x1d.specinfer.v1.TokenizeRequest\x1a\x1e.specinfer.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.specinfer.v1.DetokenizeRequest\x1a .specinfer.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/generation.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"\xa3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x30\n\x08stopping\x18\x04 \x01(\x0b\x32\x1e.specinfer.v1.StoppingCriteria\x12.\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x19.specinfer.v1.Speculation\x12\x1a\n\x12return_draft_trees\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\x12\x35\n\x0fresponse_format\x18\n \x01(\x0b\x32\x1c.specinfer.v1.ResponseFormat\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x1c\n\x14prediction_token_ids\x18\x0c \x03(\x05\"i\n\x0eResponseFormat\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"V\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\x05\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\"M\n\x0bSpeculation\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.specinfer.v1.SpeculationMode\x12\x11\n\texpansion\x18\x02 \x03(\x05\"\xd8\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.specinfer.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.specinfer.v1.Usage\x12/\n\ndraft_tree\x18\x04 \x01(\x0b\x32\x1b.specinfer.v1.DraftTreeStep\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x07 \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x08 \x01(\x05\"Z\n\rDraftTreeStep\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0bspeculators\x18\x03 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x05\"\xae\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0everifier_steps\x18\x03 \x01(\x05\x12\x1c\n\x14mean_tokens_per_step\x18\x04 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x05 \x01(\x05\x12\x12\n\ntree_steps\x18\x06 \x01(\x05\x12\x16\n\x0eno_tree_reason\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\x05\x12\x13\n\x0bpreemptions\x18\t \x01(\x05\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\n \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x0b \x01(\x05\"\x15\n\x13GetModelInfoRequest\"\xbe\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16\x64\x65\x66\x61ult_max_new_tokens\x18\x05 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x06 \x01(\x05\x12\x11\n\texpansion\x18\x07 \x03(\x05\x12\x13\n\x0btree_budget\x18\x08 \x01(\x05\x12\x13\n\x0bspeculators\x18\t \x01(\x05\x12\x1b\n\x13\x63ontext_lookup_mask\x18\n \x01(\r\x12\x15\n\rdrafter_names\x18\x0b \x03(\t\x12\x14\n\x0cgrammar_mask\x18\x0c \x01(\r\x12\x17\n\x0fprediction_mask\x18\r \x01(\r\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*i\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x01\x12\x1a\n\x16SPECULATION_MODE_FIXED\x10\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\xc1\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.specinfer.v1.GenerateRequest\x1a\x1e.specinfer.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.specinfer.v1.GetModelInfoRequest\x1a\x17.specinfer.v1.ModelInfo\x12I\n\x08Tokenize\x12\x1d.specinfer.v1.TokenizeRequest\x1a\x1e.specinfer.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.specinfer.v1.DetokenizeRequest\x1a .specinfer.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specinfer.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=1807
-  _globals['_SPECULATIONMODE']._serialized_end=1912
-  _globals['_FINISHREASON']._serialized_start=1914
-  _globals['_FINISHREASON']._serialized_end=2032
+  _globals['_SPECULATIONMODE']._serialized_start=2006
+  _globals['_SPECULATIONMODE']._serialized_end=2111
+  _globals['_FINISHREASON']._serialized_start=2113
+  _globals['_FINISHREASON']._serialized_end=2231
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=464
-  _globals['_RESPONSEFORMAT']._serialized_start=466
-  _globals['_RESPONSEFORMAT']._serialized_end=571
-  _globals['_STOPPINGCRITERIA']._serialized_start=573
-  _globals['_STOPPINGCRITERIA']._serialized_end=659
-  _globals['_SPECULATION']._serialized_start=661
-  _globals['_SPECULATION']._serialized_end=738
-  _globals['_GENERATERESPONSE']._serialized_start=741
-  _globals['_GENERATERESPONSE']._serialized_end=1013
-  _globals['_DRAFTTREESTEP']._serialized_start=1015
-  _globals['_DRAFTTREESTEP']._serialized_end=1105
-  _globals['_USAGE']._serialized_start=1108
-  _globals['_USAGE']._serialized_end=1338
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1340
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1361
-  _globals['_MODELINFO']._serialized_start=1364
-  _globals['_MODELINFO']._serialized_end=1657
-  _globals['_TOKENIZEREQUEST']._serialized_start=1659
-  _globals['_TOKENIZEREQUEST']._serialized_end=1690
-  _globals['_TOKENIZERESPONSE']._serialized_start=1692
-  _globals['_TOKENIZERESPONSE']._serialized_end=1729
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1731
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1769
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1771
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1805
-  _globals['_GENERATION']._serialized_start=2035
-  _globals['_GENERATION']._serialized_end=2356
+  _globals['_GENERATEREQUEST']._serialized_end=494
+  _globals['_RESPONSEFORMAT']._serialized_start=496
+  _globals['_RESPONSEFORMAT']._serialized_end=601
+  _globals['_STOPPINGCRITERIA']._serialized_start=603
+  _globals['_STOPPINGCRITERIA']._serialized_end=689
+  _globals['_SPECULATION']._serialized_start=691
+  _globals['_SPECULATION']._serialized_end=768
+  _globals['_GENERATERESPONSE']._serialized_start=771
+  _globals['_GENERATERESPONSE']._serialized_end=1115
+  _globals['_DRAFTTREESTEP']._serialized_start=1117
+  _globals['_DRAFTTREESTEP']._serialized_end=1207
+  _globals['_USAGE']._serialized_start=1210
+  _globals['_USAGE']._serialized_end=1512
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1514
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1535
+  _globals['_MODELINFO']._serialized_start=1538
+  _globals['_MODELINFO']._serialized_end=1856
+  _globals['_TOKENIZEREQUEST']._serialized_start=1858
+  _globals['_TOKENIZEREQUEST']._serialized_end=1889
+  _globals['_TOKENIZERESPONSE']._serialized_start=1891
+  _globals['_TOKENIZERESPONSE']._serialized_end=1928
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1930
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1968
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1970
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2004
+  _globals['_GENERATION']._serialized_start=2234
+  _globals['_GENERATION']._serialized_end=2555
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "response_format", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "speculation", "return_draft_trees", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "response_format", "priority", "prediction_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class GenerateRequest(_message.Message):
     RETURN_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -53,7 +54,8 @@ class GenerateRequest(_message.Message):
     return_prompt_logprobs: bool
     response_format: ResponseFormat
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ..., return_draft_trees: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., priority: _Optional[int] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_object", "json_schema", "regex", "lark")
@@ -86,20 +88,24 @@ class Speculation(_message.Message):
     def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., expansion: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage", "draft_tree", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "finish_reason", "usage", "draft_tree", "logprobs", "prompt_logprobs", "accepted_prediction_tokens", "rejected_prediction_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
     draft_tree: DraftTreeStep
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTreeStep, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTreeStep, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftTreeStep(_message.Message):
     __slots__ = ("token_ids", "parents", "speculators", "accepted")
@@ -114,7 +120,7 @@ class DraftTreeStep(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., speculators: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "verifier_steps", "mean_tokens_per_step", "accepted_draft_tokens", "tree_steps", "no_tree_reason", "cached_tokens", "preemptions")
+    __slots__ = ("prompt_tokens", "completion_tokens", "verifier_steps", "mean_tokens_per_step", "accepted_draft_tokens", "tree_steps", "no_tree_reason", "cached_tokens", "preemptions", "accepted_prediction_tokens", "rejected_prediction_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +130,8 @@ class Usage(_message.Message):
     NO_TREE_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     verifier_steps: int
@@ -133,14 +141,16 @@ class Usage(_message.Message):
     no_tree_reason: str
     cached_tokens: int
     preemptions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verifier_steps: _Optional[int] = ..., mean_tokens_per_step: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., tree_steps: _Optional[int] = ..., no_tree_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., verifier_steps: _Optional[int] = ..., mean_tokens_per_step: _Optional[float] = ..., accepted_draft_tokens: _Optional[int] = ..., tree_steps: _Optional[int] = ..., no_tree_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask", "drafter_names", "grammar_mask")
+    __slots__ = ("model_name", "vocab_size", "context_length", "eos_token_ids", "default_max_new_tokens", "max_new_tokens_cap", "expansion", "tree_budget", "speculators", "context_lookup_mask", "drafter_names", "grammar_mask", "prediction_mask")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +163,7 @@ class ModelInfo(_message.Message):
     CONTEXT_LOOKUP_MASK_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_NAMES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_MASK_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_MASK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     context_length: int
@@ -165,7 +176,8 @@ class ModelInfo(_message.Message):
     context_lookup_mask: int
     drafter_names: _containers.RepeatedScalarFieldContainer[str]
     grammar_mask: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ..., drafter_names: _Optional[_Iterable[str]] = ..., grammar_mask: _Optional[int] = ...) -> None: ...
+    prediction_mask: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., default_max_new_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ..., expansion: _Optional[_Iterable[int]] = ..., tree_budget: _Optional[int] = ..., speculators: _Optional[int] = ..., context_lookup_mask: _Optional[int] = ..., drafter_names: _Optional[_Iterable[str]] = ..., grammar_mask: _Optional[int] = ..., prediction_mask: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
