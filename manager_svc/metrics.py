@@ -12,6 +12,7 @@ on their own services' /metrics.
 from __future__ import annotations
 
 import collections
+import functools
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -57,18 +58,25 @@ def drafter_label(number: int, speculators: int) -> str:
     return f"speculator-{number}" if number < speculators else ("lookup", "grammar", "prediction")[number - speculators]
 
 
+@functools.cache
+def labelled(metric: Counter, label: int | str) -> Counter:
+    """The metric's child for `label`, looked up once: prometheus_client's labels() takes a lock and
+    builds its key on every call, and a step makes about a dozen such updates per request."""
+    return metric.labels(str(label))
+
+
 def record_step(tree: TokenTree, emitted: int, accepted: int, first: bool, since_last: float,
                 drafters: dict[int, tuple[int, int]], speculators: int) -> None:
     """One request's step: the tree it verified, the tokens streamed, how many were drafts, the time
     since its previous chunk (since acceptance for the first), and each drafter's (accepted, drafted)."""
     for d, n in collections.Counter(depths(tree.parents)).items():  # one labelled update per depth, not per node
-        DRAFT_TOKENS.labels(str(d)).inc(n)
+        labelled(DRAFT_TOKENS, d).inc(n)
     for d in range(1, accepted + 1):
-        ACCEPTED_TOKENS.labels(str(d)).inc()
+        labelled(ACCEPTED_TOKENS, d).inc()
     for number, (hit, drafted) in drafters.items():
         label = drafter_label(number, speculators)
-        DRAFTER_TOKENS.labels(label).inc(drafted)
-        DRAFTER_ACCEPTED.labels(label).inc(hit)
+        labelled(DRAFTER_TOKENS, label).inc(drafted)
+        labelled(DRAFTER_ACCEPTED, label).inc(hit)
     TOKENS_PER_STEP.observe(emitted)
     GENERATION_TOKENS.inc(emitted)
     if first:

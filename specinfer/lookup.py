@@ -57,8 +57,8 @@ def chain_tree(tokens: list[int], groups: bool) -> TokenTree:
     """The draft `tokens` as a chain below the root; with `groups` (for MSS) each node is recorded
     as a draw from the point mass on its token."""
     parents = list(range(-1, len(tokens) - 1))
-    draws = [DraftGroup(p, [t], [1.0], [u], False) for u, (t, p) in enumerate(zip(tokens, parents))]
-    return TokenTree(list(tokens), parents, draws if groups else [])
+    draws = [DraftGroup(p, [t], [1.0], [u], False) for u, (t, p) in enumerate(zip(tokens, parents))] if groups else []
+    return TokenTree(list(tokens), parents, draws)
 
 
 def chain_outcome(chain: list[int], room: int, tokens: list[int]) -> tuple[int, int] | None:

@@ -140,18 +140,19 @@ def merge(trees: list[TokenTree]) -> TokenTree:
     is a sequence of some input tree. Draft groups are kept (remapped), in input-tree order, so the
     verifier sees each SSM's draws exactly as they were made. The result is in DFS order.
     """
-    index: dict[tuple[int, ...], int] = {}
+    index: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node: one per path
     tokens: list[int] = []
     parents: list[int] = []
     groups: list[DraftGroup] = []
     for tree in trees:
         local = []
-        for path, p in zip(tree.paths(), tree.parents):
-            if path not in index:
-                index[path] = len(tokens)
-                tokens.append(path[-1])
-                parents.append(local[p] if p >= 0 else -1)
-            local.append(index[path])
+        for t, p in zip(tree.tokens, tree.parents):
+            parent = local[p] if p >= 0 else -1
+            u = index.setdefault((parent, t), len(tokens))
+            if u == len(tokens):
+                tokens.append(t)
+                parents.append(parent)
+            local.append(u)
         for g in tree.groups:
             parent = local[g.parent] if g.parent >= 0 else -1
             groups.append(DraftGroup(parent, g.q_ids, g.q_probs, [local[c] for c in g.children], g.replacement))
