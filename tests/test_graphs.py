@@ -8,7 +8,8 @@ a graph (mode "static"); on CUDA the captured graphs themselves are checked.
   interpreter on a small model.
 - Greedy generation through static buffers equals the LLM alone (tests/test_greedy.py), and the
   chi-square test passes through them (tests/test_sampling_exact.py).
-- On CUDA: greedy outputs through graphs equal eager outputs on the held-out prompts (float32).
+- On CUDA: graph replays give the eager logits for the same verifier steps, and greedy outputs
+  through graphs equal eager outputs on the held-out prompts (float32).
 """
 
 from __future__ import annotations
@@ -130,6 +131,19 @@ def test_graphs_need_a_cuda_device_and_modes_are_named():
             StepRunner(llm, llm.new_pool(1024), GraphConfig(mode="graphs"))
     with pytest.raises(ValueError, match="graph mode 'fast' is not one of"):
         StepRunner(llm, llm.new_pool(1024), GraphConfig(mode="fast"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replays_give_the_eager_logits_for_verifier_steps(heldout_ids):
+    """The captured graphs themselves (mode "graphs", float32): the same steps as on the CPU, each
+    replayed over its bucket's buffers, give the eager forward's logits within 1e-5 of their scale."""
+    llm = LlamaModel.from_pretrained(MODELS / "llm", device="cuda")
+    prompts = heldout_ids[:3]
+    want = verifier_steps(llm, GraphConfig(mode="eager"), prompts)
+    got = verifier_steps(llm, GraphConfig(mode="graphs", max_tokens=64, max_batch=4, max_tree=64, max_context=256),
+                         prompts)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
