@@ -5,10 +5,12 @@ is begun, so what is checked there is the bookkeeping; on a GPU (bench/gpu_first
 natively, with CUDA graphs too) steps through graphs really overlap. The tokens, the records and the prefix
 cache are those of the same steps run one after another, greedy, seeded sampled and with the
 penalties that read the record (decided once the step before has ended), in the eager and the
-padded static-buffer forward, with a request joining midway; and a step that cannot follow is
-refused."""
+padded static-buffer forward, with a request joining midway; a step that cannot follow is
+refused; and the verifier service leaves a step running only where a plain step could begin behind it."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from specinfer.model import LlamaModel
 from specinfer.sampling import SamplingParams
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
+from specinfer_rpc.model_thread import ModelThread
+from verifier_svc.servicer import VerifierServicer, _Lane
 
 from .conftest import MODELS
 
@@ -124,3 +128,28 @@ def test_a_step_that_cannot_take_the_token_of_the_step_before_does_not_follow_it
     assert not verifier.follows(behind, [plain("0")], [])  # nor behind one whose decision waits for that one
     verifier.end(tree)
     verifier.end(behind)
+
+
+def test_the_service_leaves_a_step_running_only_where_a_plain_step_could_begin_behind_it(llm, heldout_ids):
+    """With --overlap, a step whose requests each get one token is left running for the stream's next
+    step to begin behind it; a step whose every request verifies a tree (a speculative step: its
+    manager needs the answer before it sends more) is ended where it is begun, its answer queued at
+    once. Both answers are the verifier's own, in order."""
+    prompt = heldout_ids[0]
+    verifier = Verifier(llm, 4096)
+    servicer = VerifierServicer(verifier, "m", 60.0, ModelThread("test-verifier"), overlap=True)
+    loop = asyncio.new_event_loop()
+    try:
+        lane = _Lane(loop)
+        begun = servicer._advance(lane, [], [plain("0", prompt)], [len(prompt)])
+        assert begun is not None and lane.running is begun  # the prefill's one token: a step may follow
+        tree = VerifyRequest("0", [], TokenTree([5, 6, 7], [-1, 0, -1]), output_start=0)
+        assert servicer._advance(lane, [], [tree], [len(prompt) + 1]) is None  # the prefill ended first
+        assert lane.running is None and not servicer.running
+        loop.run_until_complete(asyncio.sleep(0))  # the answers put from "the model thread" (here: this one)
+        answers = [lane.answers.get_nowait() for _ in range(2)]
+    finally:
+        loop.close()
+    assert [len(batch) for batch, _, _ in answers] == [1, 1] and len(answers[0][1][0].tokens) == 1
+    assert 1 <= len(answers[1][1][0].tokens) <= 3  # the accepted path (at most 2 nodes deep) and one token
+    assert verifier.caches["0"].tokens[len(prompt):] == answers[0][1][0].tokens + answers[1][1][0].tokens

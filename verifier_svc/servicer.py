@@ -194,7 +194,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
         """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
         it may follow it (which then ends), else after that one ends, and left running (unless ending
-        it reads its logits). Returns the step left running."""
+        it reads its logits, or no step could begin behind it: then waiting for it here spares the
+        answer the hops through the waiting thread and back). Returns the step left running."""
         if lane.closed:
             return None
         if not self.overlap:
@@ -227,8 +228,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for req in begun.batch:
                     self.verifier.release(req.request_id)
                 raise
-        if begun.reads_rows:
-            self._end(lane, begun)
+        if begun.reads_rows or not begun.passes:  # reading its rows, or no plain step could begin behind it
+            self._end(lane, begun)  # (every request verifies a tree): ended here, not via the waiting thread
             return None
         lane.running = begun
         self.running[id(begun)] = lane, begun
