@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 61: the services end to end on a lent GPU with a 7B-class verifier, one call of at most 8 minutes
-# (460 s from the end of set-up: the tests at most 120, the inflation 90, the services what is left),
+# (460 s from the end of set-up: the tests at most 120, the inflation 90, the float32 check 90, the services
+# what is left),
 # which leaves a short rerun within the 15-minute lease:
 #   tests     the guard: unless bench/results/ holds a record of the CUDA tests passing on a GPU (a summary
 #             a GPU run brought back and a session kept there, bench/results/NAME_GPU_summary.txt with GPU
@@ -8,6 +9,9 @@
 #             tests ($CUDA_TESTS), stopped at the first failure, in at most 2 minutes; a failure ends the run
 #   inflate   the fixture LLM inflated to 7B class (llama-7b's sizes, bfloat16, 12 GB), built on the GPU and
 #             written to /dev/shm (else /tmp) on that machine, never carried; kept there for a rerun
+#   exact     float32 through the services: the fixture LLM itself on the GPU, speculation off and the
+#             manager's default each give the LLM's own greedy tokens (8 prompts x 32 tokens; the bench stops
+#             at the first difference where the dtype is float32), then a token load at 1 stream
 #   services  specinfer_bench.services --in-process on it: first the same requests in this process through
 #             the engine, then the verifier on the GPU and the two fixture SSMs as speculators, speculation
 #             off against the manager's default at 1, 16 and 64 streams, and off without steps sent ahead
@@ -27,7 +31,7 @@
 # there: on a machine still warm it is); `--only tests` runs the tests whatever the records say.
 set -uo pipefail
 . bench/gpu_lib.sh
-gpu_start services 'tests|inflate|services' "$@" || exit $?
+gpu_start services 'tests|inflate|exact|services' "$@" || exit $?
 fx=models/fixtures budget=460
 if [ "$device" = cuda ]; then
     tests=("${CUDA_TESTS[@]}")
@@ -61,6 +65,12 @@ if want inflate || { want services && [ ! -d "$llm" ]; }; then
         part inflate 90 python3 -m specinfer_bench.inflate $fx/llm --out "$llm.part" "${inflate[@]}" \
             && mv "$llm.part" "$llm" && say "  $llm: $(grep -h 'parameters' "$work/inflate.log" | tail -1 | sed 's/^[^:]*: //')"
     fi
+fi
+if want exact; then
+    part exact 90 python3 -m specinfer_bench.services --llm $fx/llm --ssm $fx/ssm-0 --ssm $fx/ssm-1 --dtype float32 \
+        --prompt-file $fx/heldout_prompts.jsonl --configs 'off;default' --rounds 1 --concurrency 1 \
+        --requests-per-stream 1 --max-new-tokens 16 --log-dir "$work/exact-logs" --out "$work/exact_$gpu"
+    grep -h '^Greedy check' "$work/exact_$gpu.md" 2>/dev/null | while read -r line; do say "  exact: $line"; done
 fi
 if want services && [ ! -d "$llm" ]; then
     say "services: not run (no inflated model)"
