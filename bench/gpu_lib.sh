@@ -31,10 +31,18 @@ CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests
 # the CUDA path's: kernels, fused layers, graphs, staging, specializations, the KV cache's Triton
 # path, steps begun behind running ones
 
+gpu_wheel() {  # NAME: the path of its pinned version's wheel in .whl (GPU_WHEELS); fails where it is not there
+    local w
+    for w in "${GPU_WHEELS[@]}"; do
+        [ "${w%%==*}" = "$1" ] && ls .whl/"$(echo "$1" | tr - _)"-"${w##*==}"-*.whl 2>/dev/null && return 0
+    done
+    return 1
+}
+
 gpu_wheels() {  # Python 3.12 wheels of what the GPU image lacks (../shared/GPU.md, KINDS.md's package list)
     local missing=0 w
     for w in "${GPU_WHEELS[@]}"; do
-        ls .whl/"$(echo "${w%%==*}" | tr - _)"-"${w##*==}"-*.whl >/dev/null 2>&1 || missing=1
+        gpu_wheel "${w%%==*}" >/dev/null || missing=1
     done
     [ $missing = 0 ] && return 0
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -63,7 +71,7 @@ gpu_pack() {
 }
 
 gpu_tree_bytes() {  # what a call carries of the working tree (tracked files moved aside count nothing)
-    git ls-files -co --exclude-standard | xargs -d '\n' du -cb 2>/dev/null | tail -1 | cut -f1
+    du -cb --files0-from=<(git ls-files -z -co --exclude-standard) 2>/dev/null | tail -1 | cut -f1
     return 0
 }
 

@@ -24,9 +24,11 @@ case $mode in
 pack)
     gpu_pack smollm2 || exit 1
     # all of .whl (grpcio's 7 MB among them) beside the last part would pass the 64 MiB a call carries
-    rm -rf .gpu/whl && mkdir -p .gpu/whl && cp .whl/gguf-*.whl .whl/llguidance-*.whl .gpu/whl/
+    rm -rf .gpu/whl && mkdir -p .gpu/whl && cp "$(gpu_wheel gguf)" "$(gpu_wheel llguidance)" .gpu/whl/
     tree=$(set +o pipefail; gpu_tree_bytes)
-    for carried in .gpu/llm-part-0 .gpu/llm-part-1 ".gpu/llm-part-2 .gpu/whl"; do
+    parts=(.gpu/llm-part-*)
+    calls=("${parts[@]:0:${#parts[@]}-1}" "${parts[-1]} .gpu/whl")  # the last part goes with the wheels
+    for carried in "${calls[@]}"; do
         bytes=$(( tree + $(du -cb $carried | tail -1 | cut -f1) ))
         echo "a call carrying $carried: $bytes bytes (limit 67108864)"
         [ $bytes -le 67108864 ] || { echo "too large: unpack, and carry less" >&2; exit 1; }

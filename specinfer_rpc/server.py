@@ -209,12 +209,14 @@ async def serve(name: str, cfg: ServerConfig, services: list[tuple[Callable, obj
     metrics = serve_metrics(cfg.host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
     if metrics is not None:  # printed before "listening": whoever waits for that line has both
         print(f"{name} metrics on http://{cfg.host}:{metrics.server_port}/metrics", flush=True)
+    # what start-up made (modules, models, tokenizers) lives as long as the service: kept out of the
+    # collector's scans (its garbage collected first), so that a full collection under load pauses for
+    # what serving allocates only
+    gc.collect()
+    gc.freeze()
     await server.start()
     for service in names + [""]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    # what start-up made (modules, models, tokenizers) lives as long as the service: kept out of the
-    # collector's scans, so that a full collection under load pauses for what serving allocates only
-    gc.freeze()
     print(f"{name} listening on {cfg.host}:{port}", flush=True)
 
     stop = asyncio.Event()

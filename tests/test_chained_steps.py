@@ -134,22 +134,36 @@ def test_the_service_leaves_a_step_running_only_where_a_plain_step_could_begin_b
     """With --overlap, a step whose requests each get one token is left running for the stream's next
     step to begin behind it; a step whose every request verifies a tree (a speculative step: its
     manager needs the answer before it sends more) is ended where it is begun, its answer queued at
-    once. Both answers are the verifier's own, in order."""
+    once, while one manager's stream is open. With another open, it is left running, so that the model
+    thread stays free to launch that manager's steps. The answers are the verifier's own, in order."""
     prompt = heldout_ids[0]
-    verifier = Verifier(llm, 4096)
+    verifier = Verifier(llm, 4096, GraphConfig(mode="eager"))
     servicer = VerifierServicer(verifier, "m", 60.0, ModelThread("test-verifier"), overlap=True)
+    servicer.streams = 1
     loop = asyncio.new_event_loop()
+
+    def tree() -> VerifyRequest:  # a speculative step's: request 0's record, a 3-node tree below it
+        return VerifyRequest("0", [], TokenTree([5, 6, 7], [-1, 0, -1]), output_start=0)
+
     try:
         lane = _Lane(loop)
         begun = servicer._advance(lane, [], [plain("0", prompt)], [len(prompt)])
         assert begun is not None and lane.running is begun  # the prefill's one token: a step may follow
-        tree = VerifyRequest("0", [], TokenTree([5, 6, 7], [-1, 0, -1]), output_start=0)
-        assert servicer._advance(lane, [], [tree], [len(prompt) + 1]) is None  # the prefill ended first
+        assert servicer._advance(lane, [], [tree()], [len(prompt) + 1]) is None  # the prefill ended first
         assert lane.running is None and not servicer.running
         loop.run_until_complete(asyncio.sleep(0))  # the answers put from "the model thread" (here: this one)
         answers = [lane.answers.get_nowait() for _ in range(2)]
+        assert lane.answers.empty()
+        servicer.streams = 2  # another manager's stream open: the tree step is left running
+        length = len(prompt) + 1 + len(answers[1][1][0].tokens)
+        begun = servicer._advance(lane, [], [tree()], [length])
+        assert begun is not None and lane.running is begun
+        servicer._close(lane, begun)
+        loop.run_until_complete(asyncio.sleep(0))
+        answers.append(lane.answers.get_nowait())
+        assert lane.answers.empty()
     finally:
         loop.close()
-    assert [len(batch) for batch, _, _ in answers] == [1, 1] and len(answers[0][1][0].tokens) == 1
-    assert 1 <= len(answers[1][1][0].tokens) <= 3  # the accepted path (at most 2 nodes deep) and one token
-    assert verifier.caches["0"].tokens[len(prompt):] == answers[0][1][0].tokens + answers[1][1][0].tokens
+    assert [len(batch) for batch, _, _ in answers] == [1, 1, 1] and len(answers[0][1][0].tokens) == 1
+    assert all(1 <= len(a[1][0].tokens) <= 3 for a in answers[1:])  # an accepted path (at most 2 deep) and one token
+    assert verifier.caches["0"].tokens[len(prompt):] == [t for a in answers for t in a[1][0].tokens]

@@ -104,6 +104,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.thread = thread  # the one thread that touches the model and the caches
         self.overlap = overlap and getattr(verifier, "chains", False)
         self.running: dict[int, tuple[_Lane, Begun]] = {}  # (model thread) the streams' steps left running
+        self.streams = 0  # VerifyStreams open (each a manager's)
         self.waits = ModelThread("verifier-waits", 0, verifier.model.device)  # waits for a running step's
         # decision on the GPU (`_watch`), with the model's device current
         pool = verifier.pool
@@ -145,6 +146,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         (`Verifier.follows`), so that a GPU does not wait for the host between them."""
         lane = _Lane(asyncio.get_running_loop())
         reader = asyncio.ensure_future(self._read_all(requests, lane))
+        self.streams += 1
         try:
             while (answer := await lane.answers.get()) is not None:
                 lane.room.release()
@@ -154,6 +156,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise answer
                 yield self._response(*answer)
         finally:  # the stream ended (an error, the manager went away): the steps not begun are not run
+            self.streams -= 1
             reader.cancel()
             lane.closed = True
             self._submit(self._close, lane)
@@ -193,9 +196,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
         """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
-        it may follow it (which then ends), else after that one ends, and left running (unless ending
-        it reads its logits, or no step could begin behind it: then waiting for it here spares the
-        answer the hops through the waiting thread and back). Returns the step left running."""
+        it may follow it (which then ends), else after that one ends, and left running: unless ending
+        it reads its logits, or every request of it verifies a tree (no request gets the one token a
+        plain step could begin behind: its manager waits for the answer before it sends more) and no
+        other manager's stream is open (whose steps the model thread must not stop launching while it
+        waits); such a step is waited for here, sparing its answer the hops through the waiting thread
+        and back. Returns the step left running."""
         if lane.closed:
             return None
         if not self.overlap:
@@ -228,8 +234,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 for req in begun.batch:
                     self.verifier.release(req.request_id)
                 raise
-        if begun.reads_rows or not begun.passes:  # reading its rows, or no plain step could begin behind it
-            self._end(lane, begun)  # (every request verifies a tree): ended here, not via the waiting thread
+        if begun.reads_rows or (not begun.passes and self.streams <= 1):
+            self._end(lane, begun)
             return None
         lane.running = begun
         self.running[id(begun)] = lane, begun
