@@ -145,7 +145,7 @@ async def main(cfg: ManagerConfig) -> None:
         model_name=vinfo.model_name, vocab_size=vinfo.vocab_size, context_length=vinfo.context_length,
         eos_token_ids=vinfo.eos_token_ids, default_max_new_tokens=cfg.default_max_new_tokens,
         max_new_tokens_cap=cfg.max_new_tokens_cap, expansion=cfg.expansion, tree_budget=tree_budget,
-        context_lookup_mask=1 << len(speculators) if lookup else 0, grammar_mask=1 << (len(speculators) + 1),
+        context_lookup_mask=1 << engine.lookup_source if lookup else 0, grammar_mask=1 << engine.grammar_source,
         prediction_mask=1 << engine.prediction_source)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))

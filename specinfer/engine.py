@@ -682,16 +682,25 @@ class SpeculativeEngine:
                     s.by_drafter[i].record([outcome])
         if forced:
             path = path_along(tree, tokens[:-1])
-            chunk.drafters[len(self.drafters) + 1] = (len(set(path) & set(forced)), len(forced))
+            chunk.drafters[self.grammar_source] = (len(set(path) & set(forced)), len(forced))
         if s.want_trees:
             chunk.proposers, chunk.accepted_nodes = proposers(tree, sources), accepted_nodes(tree, tokens)
             for u in forced:  # the grammar's drafts: the bit after context lookup's
-                chunk.proposers[u] |= 1 << (len(self.drafters) + 1)
+                chunk.proposers[u] |= 1 << self.grammar_source
         return chunk
+
+    # The drafter numbers of the engine's own drafters (Chunk.proposers' bits, Chunk.drafters' keys),
+    # after the speculators': context lookup's, a grammar's forced tokens', a request's prediction's.
+    @property
+    def lookup_source(self) -> int:
+        return len(self.drafters)
+
+    @property
+    def grammar_source(self) -> int:
+        return len(self.drafters) + 1
 
     @property
     def prediction_source(self) -> int:
-        """The drafter number of requests' predictions (Chunk.proposers): the one after the grammar's."""
         return len(self.drafters) + 2
 
     def _predicted(self, batch: list[Sequence]) -> dict[str, list[int]]:
@@ -822,7 +831,7 @@ class SpeculativeEngine:
         for s, d in drafting:
             trees = {i: a[s.id] for i, a in enumerate(answers) if len(a.get(s.id, ())) > 0}
             if chain := chains.get(s.id, ([], 0))[0]:
-                trees[len(answers)] = chain_tree(chain, s.request.sampling.sampled_drafts)
+                trees[self.lookup_source] = chain_tree(chain, s.request.sampling.sampled_drafts)
             if not trees:
                 if s.id in predicted:
                     continue

@@ -67,9 +67,15 @@ def chain_outcome(chain: list[int], room: int, tokens: list[int]) -> tuple[int, 
     chain could have held), or None where lookup found no chain."""
     if not chain:
         return None
-    agreed = 0
+    return agreed(chain, tokens), room
+
+
+def agreed(chain: list[int], tokens: list[int]) -> int:
+    """How many of a chain's tokens the verified `tokens` (accepted path, then the LLM's own token)
+    agree with, from the first."""
+    n = 0
     for drafted, verified in zip(chain, tokens[:-1]):
         if drafted != verified:
             break
-        agreed += 1
-    return agreed, room
+        n += 1
+    return n

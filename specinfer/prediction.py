@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import bisect
 
+from .lookup import agreed
+
 # the longest chain drafted per step, by the kind of device the verifier runs on: a CPU step of 17 rows
 # costs 1.37x a step of one (bench/results/rows_cpu.md), a GPU step of a 64-node tree 1.24x at batch 1
 # (bench/results/runtime_h200.md)
@@ -74,15 +76,11 @@ class Prediction:
         `chain` what it verified of the prediction's draft (maybe nothing), `verified` the LLM's
         accepted path and own token (emitted may end sooner, at the end of the request). Returns the
         step's (accepted, rejected) prediction tokens."""
-        agreed = 0
-        for drafted, token in zip(chain, verified[:-1]):
-            if drafted != token:
-                break
-            agreed += 1
-        step = (min(agreed, len(emitted)), len(chain) - agreed)
+        held = agreed(chain, verified)
+        step = (min(held, len(emitted)), len(chain) - held)
         self.accepted += step[0]
         self.rejected += step[1]
-        if chain and agreed == len(chain):
+        if chain and held == len(chain):
             self.run = max(self.run, 2 * len(chain))
         for t in emitted:
             if not self.drafting:

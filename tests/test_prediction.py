@@ -98,7 +98,7 @@ def test_greedy_output_with_any_prediction_is_the_llms_own(heldout_ids):
     predictions = {"the output": want, "edited": [edited(w, rng) for w in want],
                    "random": [[rng.randrange(64) for _ in range(NEW)] for _ in want],
                    "another prompt's output": want[1:] + want[:1], "none": [()] * len(want)}
-    source = len(engine.engine.drafters) + 2
+    source = engine.engine.prediction_source
     for name, preds in predictions.items():
         gens = engine.generate([Request(p, NEW, ignore_eos=True, prediction=tuple(pr))
                                 for p, pr in zip(prompts, preds)])
