@@ -149,6 +149,7 @@ async def main(cfg: ManagerConfig) -> None:
         prediction_mask=1 << engine.prediction_source)
     metrics.RUNNING.set_function(lambda: len(scheduler.running))
     metrics.WAITING.set_function(lambda: len(scheduler.waiting))
+    metrics.ENGINE.stats = lambda: engine.stats
     servicer = GenerationServicer(scheduler, tokenizer, info)
     tasks = [asyncio.create_task(scheduler.run())]
     tasks[0].add_done_callback(stop_if_scheduler_ends)

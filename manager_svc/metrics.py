@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Callable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
+from specinfer.engine import SPLIT_PARTS, Stats
 from specinfer.tree import TokenTree, depths
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
 
@@ -51,6 +54,38 @@ TOKENS_PER_STEP = Histogram("specinfer_tokens_per_step", "tokens a request gets 
 BATCH_SIZE = Histogram("specinfer_batch_size", "requests per verifier step", buckets=SIZE_BUCKETS)
 ITERATION = Histogram("specinfer_iteration_seconds", "one scheduler iteration (draft + verify + stream)",
                       buckets=LATENCY_BUCKETS)
+
+
+class EngineSplit:
+    """Where the engine's iterations went (`Stats.counters`), read at each scrape, so an iteration pays
+    nothing for it: iterations, requests over them, and seconds by part. A part's rate over that of
+    `all` is its share: `verifier_step` and `drafting` are the verifier's and the slowest speculator's
+    own figures, `verifier_wait` and `drafting_wait` what the engine spent awaiting them (their own
+    time, and the RPC, queues and threads on both sides), and `all` less the two waits is the
+    manager's own work (planning, merging, committing, protobuf)."""
+
+    def __init__(self):
+        self.stats: Callable[[], Stats] | None = None  # the engine's (set when the manager starts)
+
+    def collect(self):
+        if self.stats is None:
+            return
+        counters = self.stats().counters()
+        yield CounterMetricFamily("specinfer_engine_iterations", "speculative iterations (one verifier step each)",
+                                  value=counters["iterations"])
+        yield CounterMetricFamily("specinfer_engine_batched_requests", "requests over those iterations (mean batch = "
+                                  "this / specinfer_engine_iterations_total)", value=counters["batched"])
+        seconds = CounterMetricFamily("specinfer_engine_seconds", "the iterations' wall time (all), and of it: the "
+                                      "verifier's own step (verifier_step) and the wait for its answer (verifier_wait), "
+                                      "the slowest speculator's own drafting (drafting) and the wait for the trees "
+                                      "(drafting_wait), constrained requests' grammars (grammar)", labels=["part"])
+        for part in SPLIT_PARTS:
+            seconds.add_metric([part], counters[part])
+        yield seconds
+
+
+ENGINE = EngineSplit()
+REGISTRY.register(ENGINE)
 
 
 def drafter_label(number: int, speculators: int) -> str:

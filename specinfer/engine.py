@@ -325,29 +325,56 @@ class Stats:
     the few tree steps of a load that mostly decodes plainly cost more than they win."""
 
     shapes: dict = field(default_factory=dict)  # (batch size, levels) -> [iterations, wall time]
-    verify_s: float = 0.0  # of the wall time, the verifier's step
-    draft_s: float = 0.0  # of the wall time, the slowest drafter's tree building
+    verify_s: float = 0.0  # of the wall time, the verifier's step (its own figure)
+    draft_s: float = 0.0  # of the wall time, the slowest drafter's tree building (its own figure)
     grammar_s: float = 0.0  # of the wall time, constrained requests' grammars: masks, pruning, forced drafts, states
+    # of the wall time, what the engine spent awaiting the verifier's answer and the drafters' trees: their
+    # own time above, and the hops to them and back (RPC, queues, threads); the rest is the engine's own work
+    verify_wait_s: float = 0.0
+    draft_wait_s: float = 0.0
 
     def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float,
-            grammar_s: float = 0.0) -> None:
+            grammar_s: float = 0.0, verify_wait_s: float = 0.0, draft_wait_s: float = 0.0) -> None:
         shape = self.shapes.setdefault((batch_size, levels), [0, 0.0])
         shape[0] += 1
         shape[1] += busy_s
         self.verify_s += verify_s
         self.draft_s += draft_s
         self.grammar_s += grammar_s
+        self.verify_wait_s += verify_wait_s
+        self.draft_wait_s += draft_wait_s
+
+    def counters(self) -> dict[str, float]:
+        """The running totals (what the manager's /metrics exports): iterations, requests over them
+        (batched) and seconds by part (all, verifier_step, verifier_wait, drafting, drafting_wait,
+        grammar). The shapes are copied first: the manager's /metrics reads them from another thread."""
+        shapes = list(self.shapes.items())
+        return {"iterations": sum(k for _, (k, _) in shapes), "batched": sum(b * k for (b, _), (k, _) in shapes),
+                "all": sum(t for _, (_, t) in shapes), "verifier_step": self.verify_s,
+                "verifier_wait": self.verify_wait_s, "drafting": self.draft_s, "drafting_wait": self.draft_wait_s,
+                "grammar": self.grammar_s}
 
     def summary(self) -> dict:
-        iterations = sum(k for k, _ in self.shapes.values())
-        busy_s = sum(t for _, t in self.shapes.values())
-        n = max(iterations, 1)
-        return {"iterations": iterations, "mean_batch": sum(b * k for (b, _), (k, _) in self.shapes.items()) / n,
-                "ms_per_iteration": 1e3 * busy_s / n, "verify_ms": 1e3 * self.verify_s / n,
-                "draft_ms": 1e3 * self.draft_s / n, "grammar_ms": 1e3 * self.grammar_s / n,
-                "overhead_ms": 1e3 * (busy_s - self.verify_s - self.draft_s) / n,
+        return {**split(self.counters()),
                 "by_batch_and_levels": {f"{b}x{m}": {"iterations": k, "ms": round(1e3 * t / k, 2)}
                                         for (b, m), (k, t) in sorted(self.shapes.items())}}
+
+
+def split(counters: dict[str, float]) -> dict:
+    """Per iteration, from `Stats.counters` (or the difference of two readings): the mean batch and
+    the ms of the whole iteration and of each part. `overhead_ms` is what is neither the verifier's
+    nor the slowest drafter's own time; `own_ms` what the engine did not spend awaiting them (its own
+    work, without the hops to them and back: the waits less their own times)."""
+    n = max(counters["iterations"], 1)
+    ms = {part: 1e3 * counters[part] / n for part in SPLIT_PARTS}
+    return {"iterations": int(counters["iterations"]), "mean_batch": counters["batched"] / n,
+            "ms_per_iteration": ms["all"], "verify_ms": ms["verifier_step"], "draft_ms": ms["drafting"],
+            "grammar_ms": ms["grammar"], "overhead_ms": ms["all"] - ms["verifier_step"] - ms["drafting"],
+            "verify_wait_ms": ms["verifier_wait"], "draft_wait_ms": ms["drafting_wait"],
+            "own_ms": ms["all"] - ms["verifier_wait"] - ms["drafting_wait"]}
+
+
+SPLIT_PARTS = ("all", "verifier_step", "verifier_wait", "drafting", "drafting_wait", "grammar")
 
 
 @dataclass
@@ -477,8 +504,8 @@ class SpeculativeEngine:
         full_trees = self._full_trees(len(batch))
         choice = self._choose(len(batch), full_trees)
         predicted = self._predicted(batch)
-        trees, sources, plans, chains, (levels, nodes, asked) = await self._draft(batch, choice, len(full_trees),
-                                                                                  predicted)
+        trees, sources, plans, chains, (levels, nodes, asked, drafted) = await self._draft(
+            batch, choice, len(full_trees), predicted)
         for s in batch:
             if chain := predicted.get(s.id):
                 own = chain_tree(chain, s.request.sampling.sampled_drafts)
@@ -521,10 +548,12 @@ class SpeculativeEngine:
         if self.steps_ahead and not trees and not chunked and not allowed:
             call = asyncio.ensure_future(call)  # sent first: the step ahead follows it
             self.ahead = self._send_ahead(batch, {s.id for s in batch})
+        waited = time.perf_counter()
         try:
             verified, step_ns = await call
         except (VerifierLost, VerifierUnavailable) as e:
             return self._failed(batch + chunked, release, e)
+        waited = time.perf_counter() - waited
         for s, v in zip(chunked, verified[len(batch):]):
             s.verifier_has += chunks[s.id]
             if not s.steps:
@@ -554,7 +583,8 @@ class SpeculativeEngine:
                                         outcomes)))
         if self.controller is not None:
             self.controller.record_drafters(outcomes)
-        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s)
+        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s,
+                       waited, drafted)
         return out
 
     async def _answer_ahead(self, batch: list[Sequence], start: float) -> list[tuple[Sequence, Chunk | Exception]]:
@@ -563,10 +593,12 @@ class SpeculativeEngine:
         ahead, self.ahead = self.ahead, None
         in_flight = {s.id for s, n in zip(ahead.seqs, ahead.preemptions) if not s.done and s.preemptions == n}
         self.ahead = self._send_ahead([s for s in batch if not s.done], in_flight)
+        waited = time.perf_counter()
         try:
             verified, step_ns = await ahead.call
         except (VerifierLost, VerifierUnavailable) as e:
             return self._failed([s for s in ahead.seqs if s.id in in_flight], ahead.release, e)
+        waited = time.perf_counter() - waited
         out, outcomes = [], {}
         for s, n, v, why in zip(ahead.seqs, ahead.preemptions, verified, ahead.why):
             if not s.done and s.preemptions == n:  # else cancelled, or preempted and to be resent whole
@@ -576,7 +608,7 @@ class SpeculativeEngine:
             self.controller.record(Iteration(
                 batch_size=len(ahead.seqs), choice=ahead.choice, rows=ahead.rows, trees=False, draft_levels=0,
                 draft_nodes=0, seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=0.0))
-        self.stats.add(len(ahead.seqs), 0, time.perf_counter() - start, step_ns / 1e9, 0.0)
+        self.stats.add(len(ahead.seqs), 0, time.perf_counter() - start, step_ns / 1e9, 0.0, verify_wait_s=waited)
         return out
 
     def _send_ahead(self, seqs: list[Sequence], in_flight: set[str]) -> Ahead | None:
@@ -788,12 +820,13 @@ class SpeculativeEngine:
     async def _draft(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
                      ) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
-            dict[str, tuple[list[int], int]], tuple[int, int, set[str]]]:
+            dict[str, tuple[list[int], int]], tuple[int, int, set[str], float]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), the
-        trees it merged by drafter number (context lookup's: the number after the drafters'), the expansion config each drafted request was planned, with
-        context lookup on the chain it found for each (maybe none) and the most tokens it could have
-        drafted, and the deepest tree asked of the drafters (0: they were not asked), the nodes asked
-        in all, and the requests they were asked for. A request in `predicted` drafts from its
+        trees it merged by drafter number (context lookup's: the number after the drafters'), the
+        expansion config each drafted request was planned, with context lookup on the chain it found
+        for each (maybe none) and the most tokens it could have drafted, and the deepest tree asked of
+        the drafters (0: they were not asked), the nodes asked in all, the requests they were asked
+        for and the seconds spent awaiting their trees. A request in `predicted` drafts from its
         prediction this step, merged with lookup's chain: the drafters are not asked for it, and no
         reason for having no tree is counted for it."""
         drafting = []
@@ -806,7 +839,7 @@ class SpeculativeEngine:
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 if s.id not in predicted:
                     s.no_tree["no drafters configured"] += 1
-            return {}, {}, {s.id: d.expansion for s, d in drafting}, {}, (0, 0, set())
+            return {}, {}, {s.id: d.expansion for s, d in drafting}, {}, (0, 0, set(), 0.0)
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
@@ -820,8 +853,10 @@ class SpeculativeEngine:
         each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
         calls = [i for i, drafts in enumerate(each) if drafts]  # lookup found a chain for every request: none
         answers = [{} for _ in self.drafters]
+        drafted = time.perf_counter()
         for i, answer in zip(calls, await gather(*(self.drafters[i].draft(each[i]) for i in calls))):
             answers[i] = answer
+        drafted = time.perf_counter() - drafted if calls else 0.0
         asked_ids = {d.request_id for drafts in each for d in drafts}
         fed = [{d.request_id for d in drafts} for drafts, drafter in zip(each, self.drafters) if drafter.wants_features]
         for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)
@@ -842,7 +877,8 @@ class SpeculativeEngine:
             merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
             sources[s.id] = trees
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
-                     max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids)
+                     max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
+                     drafted)
         return merged, sources, {s.id: d.expansion for s, d in drafting}, chains, asked_for
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:

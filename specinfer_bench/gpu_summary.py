@@ -141,9 +141,18 @@ def met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def split_cells(r: dict, who: str) -> str:
+    """An iteration's split (specinfer.engine.split) as table cells: the whole, the verifier's own step and
+    its hop, the slowest drafter's own time and the drafters' hop, the engine's own work."""
+    g = lambda k: r[f"{who}_{k}"]  # noqa: E731
+    return " | ".join(f"{v:.1f}" for v in (g("ms_per_iteration"), g("verify_ms"), g("verify_wait_ms") - g("verify_ms"),
+                                           g("draft_ms"), g("draft_wait_ms") - g("draft_ms"), g("own_ms")))
+
+
 def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
     """One stream count's line: off's tok/s, every other setting against it (against the goals through
-    the services), and each setting's ms per iteration: verifier step / slowest speculator / the rest."""
+    the services), and each setting's ms per iteration (report.split_cells): the whole, the verifier's
+    step and its hop, the slowest speculator's and the speculators' hop, the manager's (engine's) own."""
     off, goals = at.get("off"), where == "services"
     figures = []
     if off:
@@ -156,11 +165,10 @@ def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
                 control = {"sequential", "ahead"} & set(config.split("@"))  # off or on with steps ahead: no goal
                 figures.append(f"{config} {r['tokens_per_s']:.1f} = {vs:.2f}x off"
                                + (f" (goal >= {goal}x: {met(vs >= goal)})" if goals and not control else ""))
-    parts = "; ".join(f"{config} {r[f'{split}_verify_ms']:.1f}/{r[f'{split}_draft_ms']:.1f}/{r[f'{split}_overhead_ms']:.1f}"
-                      for config, r in at.items())
+    parts = "; ".join(f"{config} {split_cells(r, split).replace(' | ', '/')}" for config, r in at.items())
     behind = ", ".join(f"{config} {r['verifier_begun_behind']:.0f}" for config, r in at.items() if "verifier_begun_behind" in r)
     return (f"  {where} {c} stream{'s' * (c > 1)}: " + ", ".join(figures)
-            + f"; ms per iteration verifier/speculator/{split}: {parts}"
+            + f"; ms per iteration all/verifier/its hop/speculator/its hop/{split} own: {parts}"
             + (f"; verifier steps begun behind the running one, per run: {behind}" if behind else ""))
 
 

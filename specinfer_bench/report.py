@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .gpu_summary import split_cells
+
 
 def median_ms(fn, repeats: int) -> float:
     """Median wall time of `fn` over repeated calls, in ms (the machine is noisy)."""
@@ -65,16 +67,17 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "against it; @ahead, @sequential: plain steps sent ahead, or not, whatever the verifier's "
              "device); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
              f"ignore_eos; {max_new_tokens} new tokens per request; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "
-             "each run in the JSON); iteration split from the manager over all its runs", "",
+             "each run in the JSON); an iteration's split from the manager's metrics over the timed runs: the "
+             "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads), "
+             "the slowest speculator's own drafting, the speculators' hop, and the manager's own work", "",
              "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "
-             "| iteration ms | verifier ms | speculator ms | manager overhead ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| iteration ms | verifier ms | verifier hop ms | speculator ms | speculator hop ms | manager own ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         vs = f"{r['tokens_per_s'] / off[r['concurrency']]:.2f}x" if r["concurrency"] in off else "-"
         lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} "
                      f"| {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} "
-                     f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {r['manager_ms_per_iteration']:.1f} "
-                     f"| {r['manager_verify_ms']:.1f} | {r['manager_draft_ms']:.1f} | {r['manager_overhead_ms']:.1f} |")
+                     f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {split_cells(r, 'manager')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -89,14 +92,16 @@ def in_process_markdown(result: dict) -> str:
     if in_process:
         by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in services}
         lines += ["## The same requests in process (the engine, no RPC, no scheduler; waves of `concurrency` requests)", "",
+                  "The same split; in process the drafters run one after another, so their \"hop\" is the time of all "
+                  "but the slowest.", "",
                   "| config | concurrency | tok/s | services / in process | tok/step | iteration ms | verifier ms | "
-                  "speculator ms | engine overhead ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "verifier hop ms | speculator ms | speculator hop ms | engine own ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in in_process:
             vs = by.get((r["config"], r["concurrency"]))
             vs = "-" if vs is None else f"{vs / r['tokens_per_s']:.2f}x"
             lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} | "
-                         f"{r['engine_ms_per_iteration']:.1f} | {r['engine_verify_ms']:.1f} | {r['engine_draft_ms']:.1f} | "
-                         f"{r['engine_overhead_ms']:.1f} |")
+                         f"{split_cells(r, 'engine')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,8 +5,11 @@ checks greedy outputs, and drives bounded streaming loads in interleaved rounds,
 round in reverse order. Each round's load takes the prompt file's next prompts (a run at one stream
 takes only two, so every round taking the first ones measured two prompts), the same for every
 setting (this machine's speed drifts, and a process that slows as it runs would
-favour whichever setting runs first; medians are reported and every run's figure kept). Each manager logs its per-
-iteration split (verifier step, slowest speculator, the rest = its own overhead incl. RPC) on exit.
+favour whichever setting runs first; medians are reported and every run's figure kept). Each row's split of
+an iteration comes from its manager's /metrics (`specinfer_engine_*`), read before and after each timed run,
+so the greedy check is not in it: the verifier's own step and what the manager waited for its answer (the
+difference is the hop: RPC, queues, threads), the same for the slowest speculator, and the manager's own
+work. The per-shape figures and the controller's choices come from its log, over all its runs.
 
     python -m specinfer_bench.services --out bench/results/services_cpu
     python -m specinfer_bench.services --llm /tmp/llm-1b --concurrency 1,4,8,16,32,64 --out bench/results/services_h100_llama-1b
@@ -46,7 +49,7 @@ from manager_svc.__main__ import ManagerConfig
 from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
 from specinfer.devices import resolve_device, resolve_dtype
 from specinfer.eagle import head_layers
-from specinfer.engine import Stats, default_tree_budget
+from specinfer.engine import SPLIT_PARTS, Stats, default_tree_budget, split
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 from specinfer.generate import Engine, Mode, Request
@@ -63,7 +66,8 @@ from .report import command_line, in_process_markdown, machine, plot_services, s
 OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs", "sequential", "ahead"}
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
-SPLIT = ("ms_per_iteration", "verify_ms", "draft_ms", "overhead_ms", "mean_batch")  # of an engine's Stats.summary
+SPLIT = ("ms_per_iteration", "verify_ms", "verify_wait_ms", "draft_ms", "draft_wait_ms", "overhead_ms", "own_ms",
+         "grammar_ms", "mean_batch")  # of specinfer.engine.split
 
 
 def default_config(device: str) -> str:
@@ -157,10 +161,10 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
                 tokens += sum(len(g.token_ids) for g in done)
                 steps += sum(g.steps for g in done)
             seconds = time.perf_counter() - start
-            split = engine.engine.stats.summary()
+            parts = split(engine.engine.stats.counters())
             rows.append({"config": config, "concurrency": c, "seconds": round(seconds, 2), "tokens": tokens,
                          "tokens_per_s": round(tokens / seconds, 1), "tokens_per_step": round(tokens / steps, 3),
-                         "identical_share": share, **{f"engine_{k}": split[k] for k in SPLIT}})
+                         "identical_share": share, **{f"engine_{k}": parts[k] for k in SPLIT}})
         del engine
         release(llm.device)
     return reference, rows
@@ -171,6 +175,25 @@ def steps_begun_behind(metrics: str) -> float:
     text = urllib.request.urlopen(metrics, timeout=10).read().decode()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == "specinfer_verifier_steps_begun_behind_total")
+
+
+def engine_counters(metrics: str) -> dict[str, float]:
+    """A manager's engine counters from its /metrics URL."""
+    return counters_from_text(urllib.request.urlopen(metrics, timeout=10).read().decode())
+
+
+def counters_from_text(text: str) -> dict[str, float]:
+    """`Stats.counters` as manager_svc.metrics.EngineSplit exports them, read back from /metrics text
+    (zeros where none are exported yet)."""
+    names = {"specinfer_engine_iterations_total": "iterations", "specinfer_engine_batched_requests_total": "batched"}
+    out = dict.fromkeys(("iterations", "batched", *SPLIT_PARTS), 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in names:
+                out[names[s.name]] = s.value
+            elif s.name == "specinfer_engine_seconds_total":
+                out[s.labels["part"]] = s.value
+    return out
 
 
 def manager_stats(log: Path) -> dict:
@@ -197,6 +220,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
     logs = log_dir or Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
+    timed: dict[tuple[str, int], dict[str, float]] = {}  # each manager's engine counters over its timed runs
     managers, shares = {}, {}
     try:
         layers = sorted({head_layers(h, llm) for h in heads})
@@ -217,7 +241,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
               f"{time.perf_counter() - start:.0f} s", flush=True)
         for config in configs:
             flags = manager_flags(config, verifier.address, [s.address for s in specs],
-                                  [s.address for s in head_specs]) + ["--tokenizer", str(llm)]
+                                  [s.address for s in head_specs]) + ["--tokenizer", str(llm), "--metrics-port", "0"]
             source = baseline if "baseline" in config.split("@")[1:] else None
             if source is None and "baseline" in config.split("@")[1:]:
                 raise ValueError(f"--configs {config!r}: @baseline needs --baseline")
@@ -232,7 +256,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
                 sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[1:])
                 at = r * c * requests_per_stream % len(prompts)  # this round's prompts: the next ones
-                behind = steps_begun_behind(verifier.metrics)
+                behind, before = steps_begun_behind(verifier.metrics), engine_counters(manager.metrics)
                 report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
                                               max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling,
@@ -241,6 +265,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
                 runs.setdefault((config, c), []).append(
                     {**report.summary(), "verifier_begun_behind": steps_begun_behind(verifier.metrics) - behind})
+                total = timed.setdefault((config, c), dict.fromkeys(before, 0.0))
+                for k, v in engine_counters(manager.metrics).items():
+                    total[k] += v - before[k]
                 bar.update()
         bar.close()
     finally:
@@ -248,7 +275,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
     rows = []
     for (config, c), reports in sorted(runs.items(), key=lambda kv: (kv[0][1], configs.index(kv[0][0]))):
         median = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "concurrency"}
-        stats = manager_stats(logs / f"{managers[config, c].name}.log")
+        stats = {**manager_stats(logs / f"{managers[config, c].name}.log"), **split(timed[config, c])}  # the split: timed runs only
         rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
                      "identical_share": shares[config], **{f"manager_{k}": v for k, v in stats.items()}})
     return rows

@@ -10,7 +10,8 @@ from specinfer_bench.gpu_summary import services
 
 def row(config: str, concurrency: int, tokens_per_s: float, split: str, share: float = 1.0) -> dict:
     return {"config": config, "concurrency": concurrency, "tokens_per_s": tokens_per_s, "identical_share": share,
-            f"{split}_verify_ms": 6.0, f"{split}_draft_ms": 1.5, f"{split}_overhead_ms": 0.5}
+            f"{split}_ms_per_iteration": 9.0, f"{split}_verify_ms": 6.0, f"{split}_verify_wait_ms": 6.75,
+            f"{split}_draft_ms": 1.5, f"{split}_draft_wait_ms": 1.75, f"{split}_own_ms": 0.5}
 
 
 def result(rows: list[dict] | None, in_process: list[dict]) -> dict:
@@ -35,7 +36,8 @@ def test_the_summary_weighs_each_stream_count_against_the_goals(tmp_path):
     assert "2,1,1@16 320.0 = 2.00x off (goal >= 2.5x: MISSED)" in text
     assert "2,1,1@16 2100.0 = 1.05x off (goal >= 1.0x: met)" in text
     assert "off 0.94x (goal >= 0.9x: met), 2,1,1@16 0.80x (goal >= 0.9x: MISSED)" in text
-    assert "verifier/speculator/manager: off 6.0/1.5/0.5" in text and "verifier/speculator/engine" in text
+    assert "all/verifier/its hop/speculator/its hop/manager own: off 9.0/6.0/0.8/1.5/0.2/0.5" in text
+    assert "its hop/engine own" in text
     assert "services 2,1,1@16 97.0%" in text and "in process 2,1,1@16 96.0%" in text
     assert len(text.splitlines()) <= 8
 

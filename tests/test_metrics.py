@@ -94,6 +94,16 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
     iterations = total(m, "specinfer_batch_size_count")
     assert total(v, "specinfer_verifier_step_seconds_count") == iterations > 0
     assert total(v, "specinfer_verifier_step_seconds_sum") > 0
+    # the manager's split of its iterations: one per verifier step, the batches the steps had; what it waited
+    # for holds what the verifier and the speculators report of their own time (a CPU verifier: no step
+    # is sent ahead, so every step runs inside its wait), and both waits fit in the iterations' time
+    assert total(m, "specinfer_engine_iterations_total") == iterations
+    assert total(m, "specinfer_engine_batched_requests_total") == steps
+    part = {dict(k)["part"]: x for k, x in m["specinfer_engine_seconds_total"].items()}
+    assert part["verifier_step"] == pytest.approx(total(v, "specinfer_verifier_step_seconds_sum"), rel=1e-6)
+    assert part["verifier_wait"] > part["verifier_step"] > 0
+    assert part["drafting_wait"] > part["drafting"] > 0
+    assert part["all"] > part["verifier_wait"] + part["drafting_wait"]
     assert total(v, "specinfer_verifier_requests") == 0
     assert total(v, "specinfer_kv_cache_free_tokens") == total(v, "specinfer_kv_cache_tokens") > 0
     for name in ("speculator-0", "speculator-1"):
@@ -101,6 +111,29 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
         assert 0 < total(sp, "specinfer_speculator_tree_seconds_count") <= iterations, name
         assert total(sp, "specinfer_speculator_trees_total") >= total(sp, "specinfer_speculator_tree_seconds_count")
         assert total(sp, "process_resident_memory_bytes") > 0
+
+
+def test_the_managers_engine_counters_come_back_whole_from_its_metrics_text():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from manager_svc.metrics import EngineSplit
+    from specinfer.engine import Stats, split
+    from specinfer_bench.services import counters_from_text
+
+    stats = Stats()
+    for b, m, busy in [(2, 0, 0.004), (1, 3, 0.011), (3, 1, 0.009)]:
+        stats.add(b, m, busy, busy / 2, busy / 4 if m else 0.0, 0.0005, busy * 0.6, busy / 3 if m else 0.0)
+    registry, exporter = CollectorRegistry(), EngineSplit()
+    registry.register(exporter)
+    assert counters_from_text(generate_latest(registry).decode())["iterations"] == 0  # no engine yet: none exported
+    exporter.stats = lambda: stats
+    read = counters_from_text(generate_latest(registry).decode())
+    assert read == pytest.approx(stats.counters())
+    s = split(read)
+    assert s["iterations"] == 3 and s["mean_batch"] == pytest.approx(2.0)
+    assert s["ms_per_iteration"] == pytest.approx(8.0) and s["verify_ms"] == pytest.approx(4.0)
+    assert s["own_ms"] == pytest.approx(8.0 - 4.8 - (11 + 9) / 9)  # less the waits for the verifier and drafters
+    assert s["overhead_ms"] == pytest.approx(8.0 - 4.0 - (11 + 9) / 12)
 
 
 def test_the_managers_iteration_split_by_batch_size_and_levels_adds_up_to_its_totals():

@@ -98,9 +98,10 @@ class Fixed(SpeculationController):
         super().record(step)
 
 
-def run(speculators: bool, prompts: list[list[int]], n: int):
-    speculator, controller = Speculator(), Fixed(speculators)
-    engine = SpeculativeEngine(Verifier(), [speculator], eos=set(), expansion=[1, 1, 1], tree_budget=64,
+def run(speculators: bool, prompts: list[list[int]], n: int, verifier: Verifier | None = None,
+        speculator: Speculator | None = None):
+    speculator, controller = speculator or Speculator(), Fixed(speculators)
+    engine = SpeculativeEngine(verifier or Verifier(), [speculator], eos=set(), expansion=[1, 1, 1], tree_budget=64,
                                controller=controller, lookup=True, lookup_tokens=3)
     scheduler = Scheduler(engine, max_batch=8, max_queue=8, max_prefill_tokens=4096)
     seqs = [scheduler.submit(Request(p, n), None) for p in prompts]
@@ -110,7 +111,7 @@ def run(speculators: bool, prompts: list[list[int]], n: int):
             await scheduler.iteration()
 
     asyncio.run(go())
-    return seqs, speculator, controller
+    return seqs, speculator, controller, engine.stats
 
 
 def reference(prompt: list[int], n: int) -> list[int]:
@@ -124,7 +125,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]]
 
 
 def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays_exact():
-    seqs, speculator, controller = run(False, PROMPTS, 30)
+    seqs, speculator, controller, _ = run(False, PROMPTS, 30)
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
     # only the prefill's iteration, whose last tokens are new (lookup has nothing to continue), asks
     assert speculator.asked == [[s.id for s in seqs]]
@@ -137,7 +138,7 @@ def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays
 
 
 def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
-    seqs, speculator, controller = run(True, PROMPTS, 30)
+    seqs, speculator, controller, _ = run(True, PROMPTS, 30)
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
     asked = sum(s.draft_levels > 0 for s in controller.steps)
     assert asked >= len(controller.steps) - 1  # all but a last step with one token to go
@@ -146,6 +147,34 @@ def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
     # own at these steps too (every step where lookup found one), so lookup's choice stays priced
     assert controller.acceptance[True].at(1) > 0.9 and controller.acceptance[False].at(3) > 0.9
     assert controller.fallback() < 0.2
+
+
+class Remote(Verifier):
+    """A verifier `hop` seconds away: what the engine waits for is more than the step it is told of."""
+
+    async def verify(self, checks, release):
+        await asyncio.sleep(0.004)
+        return await super().verify(checks, release)
+
+
+class RemoteSpeculator(Speculator):
+    async def draft(self, drafts):
+        await asyncio.sleep(0.002)
+        return await super().draft(drafts)
+
+
+def test_the_iteration_split_holds_what_the_engine_waited_for_apart_from_its_own_work():
+    seqs, speculator, controller, stats = run(True, PROMPTS, 12, Remote(), RemoteSpeculator())
+    assert [s.generated for s in seqs] == [reference(p, 12) for p in PROMPTS]
+    c = stats.counters()
+    assert c["iterations"] == len(controller.steps) + 1  # and the prefill's
+    assert c["verifier_step"] == pytest.approx(1e-3 * c["iterations"])  # the stand-in's 1 ms a step
+    assert c["verifier_wait"] >= 0.004 * c["iterations"]  # each step's sleep, inside its wait
+    assert c["drafting"] == pytest.approx(1e-6 * speculator.calls)  # its own 1 us a call...
+    assert c["drafting_wait"] >= 0.002 * speculator.calls  # ...inside what the engine waited
+    assert c["all"] > c["verifier_wait"] + c["drafting_wait"]  # the rest is the engine's own work
+    split = stats.summary()
+    assert split["own_ms"] == pytest.approx(split["ms_per_iteration"] - split["verify_wait_ms"] - split["draft_wait_ms"])
 
 
 def test_a_stream_left_unread_past_the_cap_gets_its_chunks_then_resource_exhausted():
