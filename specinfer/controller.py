@@ -278,6 +278,7 @@ class SpeculationController:
         self.prior, self.forget = prior, forget
         self.by_drafter: dict[int, Acceptance] = {}
         self.made: dict[int, dict[Choice, int]] = {}  # batch size -> choice -> iterations it was chosen
+        self.ran: dict[int, dict[Choice, list[float]]] = {}  # batch size -> choice -> [tokens, seconds] recorded
         self.full_trees: dict[int, list[int]] = {}  # batch size -> the full trees it last allowed
 
     def pooled(self, drafter: int) -> Acceptance:
@@ -375,8 +376,10 @@ class SpeculationController:
         return options[best]
 
     def summary(self) -> dict:
-        """Per batch size: how often each choice was made, and each choice's predicted tokens per second
-        of the batch now (for a log line: why a load ran with the trees it did)."""
+        """Per batch size: how often each choice was made, each choice's predicted tokens per second of
+        the batch now, and what each choice run there gave over its recorded steps (tokens per second of
+        their own time: where the model errs, and by how much), for a log line: why a load ran with the
+        trees it did."""
         def label(c: Choice) -> str:
             return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
 
@@ -386,7 +389,9 @@ class SpeculationController:
                     for c in self.choices(len(full))}
 
         return {str(b): {"chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
-                         "predicted_tok_s": predicted(b)}
+                         "predicted_tok_s": predicted(b),
+                         "realized_tok_s": {label(c): round(tokens / seconds, 1)
+                                            for c, (tokens, seconds) in self.ran.get(b, {}).items() if seconds > 0}}
                 for b, made in sorted(self.made.items())}
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
@@ -412,6 +417,9 @@ class SpeculationController:
         step enters whole, and the drafting fit, which hears only from steps that draft, then keeps
         it in its window for as long as it holds the choice on plain decoding."""
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
+        ran = self.ran.setdefault(step.batch_size, {}).setdefault(step.choice, [0, 0.0])
+        ran[0] += step.batch_size + sum(a for a, _ in step.accepted)  # each request's token, and its accepted drafts
+        ran[1] += step.seconds
         if self.seen[step.choice] > WARMUP:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
             if step.draft_levels:

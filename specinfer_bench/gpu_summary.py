@@ -174,13 +174,16 @@ def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
 
 def controller(row: dict) -> str:
     """A manager's adaptive controller at its load's own batch size (else the one it ran most): how often it
-    made each choice, and what it predicted each would give (why the load ran with the trees it did)."""
+    made each choice, what it predicted each would give (why the load ran with the trees it did), and what
+    each choice it ran there gave."""
     at = row["manager_controller"]
     b = str(row["concurrency"])
     if b not in at:
         b = max(at, key=lambda k: sum(at[k]["chosen"].values()))
     chosen = ", ".join(f"{c} x{n}" for c, n in at[b]["chosen"].items())
-    predicted = ", ".join(f"{c} {r:.0f}" for c, r in at[b]["predicted_tok_s"].items())
+    gave = at[b].get("realized_tok_s", {})  # (logs before it was kept have none)
+    predicted = ", ".join(f"{c} {r:.0f}" + (f" (gave {gave[c]:.0f})" if c in gave else "")
+                          for c, r in at[b]["predicted_tok_s"].items())
     return (f"  controller, {row['config']} at {row['concurrency']} streams, batch {b}: chose {chosen}; "
             f"predicted tok/s {predicted}")
 

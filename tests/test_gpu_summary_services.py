@@ -49,7 +49,8 @@ def test_a_run_the_services_did_not_finish_still_shows_in_process(tmp_path):
 
 
 def test_the_summary_says_what_each_managers_controller_chose_and_predicted_at_its_load(tmp_path):
-    at_1 = {"1": {"chosen": {"none": 90, "trees 1": 4}, "predicted_tok_s": {"none": 210.0, "trees 1": 150.5}},
+    at_1 = {"1": {"chosen": {"none": 90, "trees 1": 4}, "predicted_tok_s": {"none": 210.0, "trees 1": 150.5},
+                  "realized_tok_s": {"none": 190.2}},
             "8": {"chosen": {"trees 3": 6}, "predicted_tok_s": {"none": 900.0, "trees 3": 400.0}}}
     at_16 = {"15": {"chosen": {"trees 3": 20}, "predicted_tok_s": {"none": 2000.0, "trees 3": 3600.0}},
              "12": {"chosen": {"none": 2}, "predicted_tok_s": {"none": 1800.0, "trees 3": 3000.0}}}
@@ -57,7 +58,7 @@ def test_the_summary_says_what_each_managers_controller_chose_and_predicted_at_i
             {**row("2,1,1@256", 16, 3000.0, "manager"), "manager_controller": at_16}]
     text = summary(tmp_path, result(rows, []))
     assert ("controller, 2,1,1@256 at 1 streams, batch 1: chose none x90, trees 1 x4; "
-            "predicted tok/s none 210, trees 1 150") in text
+            "predicted tok/s none 210 (gave 190), trees 1 150") in text
     assert "controller, 2,1,1@256 at 16 streams, batch 15: chose trees 3 x20" in text  # the batch size it ran most
 
 
