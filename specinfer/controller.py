@@ -278,7 +278,8 @@ class SpeculationController:
         self.prior, self.forget = prior, forget
         self.by_drafter: dict[int, Acceptance] = {}
         self.made: dict[int, dict[Choice, int]] = {}  # batch size -> choice -> iterations it was chosen
-        self.ran: dict[int, dict[Choice, list[float]]] = {}  # batch size -> choice -> [tokens, seconds] recorded
+        # batch size -> choice -> its recorded steps' [count, tokens, seconds, verifier s, drafting s]
+        self.ran: dict[int, dict[Choice, list[float]]] = {}
         self.full_trees: dict[int, list[int]] = {}  # batch size -> the full trees it last allowed
 
     def pooled(self, drafter: int) -> Acceptance:
@@ -320,14 +321,20 @@ class SpeculationController:
     def rate(self, batch_size: int, choice: Choice, full_tree: int) -> float:
         """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
         choice's depth)."""
+        tokens, verify, draft, overhead = self.terms(batch_size, choice, full_tree)
+        return batch_size * tokens / max(verify + draft + overhead, 1e-9)
+
+    def terms(self, batch_size: int, choice: Choice, full_tree: int) -> tuple[float, float, float, float]:
+        """The model's terms for a choice: tokens a request emits per step, and the seconds of a step's
+        verifier step, drafting (times the chance the SSMs are asked at all) and the rest."""
         m = choice.depth
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
         asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
-        seconds = (self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
-                   + (asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0)
-                   + self.overhead([1.0, batch_size, asked]))
-        return batch_size * self.expected_tokens(choice, share) / max(seconds, 1e-9)
+        return (self.expected_tokens(choice, share),
+                self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)]),
+                asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0,
+                self.overhead([1.0, batch_size, asked]))
 
     def expected_tokens(self, choice: Choice, share: float) -> float:
         """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
@@ -378,21 +385,30 @@ class SpeculationController:
     def summary(self) -> dict:
         """Per batch size: how often each choice was made, each choice's predicted tokens per second of
         the batch now, and what each choice run there gave over its recorded steps (tokens per second of
-        their own time: where the model errs, and by how much), for a log line: why a load ran with the
-        trees it did."""
+        their own time), for a log line: why a load ran with the trees it did. Beside them, the terms
+        of each: tokens a request got per step, and ms a step of the verifier, the drafting and the
+        rest, predicted and as they came, so that a wrong choice shows which term misled it."""
         def label(c: Choice) -> str:
             return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
 
-        def predicted(b: int) -> dict[str, float]:
+        def predicted(b: int) -> dict[Choice, tuple[float, float, float, float]]:
             full = self.full_trees[b]
-            return {label(c): round(self.rate(b, c, full[c.depth - 1] if c.depth else 0), 1)
-                    for c in self.choices(len(full))}
+            return {c: self.terms(b, c, full[c.depth - 1] if c.depth else 0) for c in self.choices(len(full))}
 
-        return {str(b): {"chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
-                         "predicted_tok_s": predicted(b),
-                         "realized_tok_s": {label(c): round(tokens / seconds, 1)
-                                            for c, (tokens, seconds) in self.ran.get(b, {}).items() if seconds > 0}}
-                for b, made in sorted(self.made.items())}
+        def came(b: int, n: int, tokens: int, seconds: float, verify: float, draft: float) -> list[float]:
+            return [round(tokens / (n * b), 3), *(round(1e3 * t / n, 3) for t in (verify, draft, seconds - verify - draft))]
+
+        out = {}
+        for b, made in sorted(self.made.items()):
+            terms, ran = predicted(b), self.ran.get(b, {})
+            out[str(b)] = {
+                "chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
+                "predicted_tok_s": {label(c): round(b * t[0] / max(sum(t[1:]), 1e-9), 1) for c, t in terms.items()},
+                "realized_tok_s": {label(c): round(r[1] / r[2], 1) for c, r in ran.items() if r[2] > 0},
+                "predicted_terms": {label(c): [round(t[0], 3), *(round(1e3 * x, 3) for x in t[1:])]
+                                    for c, t in terms.items()},
+                "realized_terms": {label(c): came(b, *r) for c, r in ran.items()}}
+        return out
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
         """The choices a look from options[i] alternates between: the next shallower and the next
@@ -417,9 +433,10 @@ class SpeculationController:
         step enters whole, and the drafting fit, which hears only from steps that draft, then keeps
         it in its window for as long as it holds the choice on plain decoding."""
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
-        ran = self.ran.setdefault(step.batch_size, {}).setdefault(step.choice, [0, 0.0])
-        ran[0] += step.batch_size + sum(a for a, _ in step.accepted)  # each request's token, and its accepted drafts
-        ran[1] += step.seconds
+        ran = self.ran.setdefault(step.batch_size, {}).setdefault(step.choice, [0, 0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, step.batch_size + sum(a for a, _ in step.accepted),  # each request's token and
+                               step.seconds, step.verify_s, step.draft_s)):           # its accepted drafts
+            ran[i] += v
         if self.seen[step.choice] > WARMUP:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
             if step.draft_levels:

@@ -288,3 +288,10 @@ def test_the_summary_sets_what_each_choice_gave_beside_its_prediction():
     held = label[chosen.most_common(1)[0][0]]
     assert set(summary["realized_tok_s"]) <= set(summary["predicted_tok_s"]) and held in summary["realized_tok_s"]
     assert summary["realized_tok_s"][held] == pytest.approx(summary["predicted_tok_s"][held], rel=0.15), summary
+    # and term by term (tokens a request got a step; ms of the verifier, the drafting, the rest): the
+    # simulated costs are linear in the fits' features, so the held choice's come out as they were
+    assert set(summary["realized_terms"]) == set(summary["realized_tok_s"])
+    assert summary["realized_terms"][held] == pytest.approx(summary["predicted_terms"][held], rel=0.15), summary
+    m = int(held.split()[1])  # a step verifies 2 rows and per request its tree and lookup's chain, merged
+    rows = 2 + 2 * (tree_size(EXPANSION[:m]) + m)
+    assert summary["realized_terms"][held][1:] == pytest.approx([10.0 + 0.2 * rows, 0.5 * m, 1.0], rel=1e-6)
