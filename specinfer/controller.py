@@ -28,7 +28,15 @@ go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for l
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
   fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, bookkeeping), fitted to
-  [1, B, asked] (asked: 1 if the speculators were asked for trees).
+  [1, B, asked, trees] (asked: 1 if the speculators were asked for trees; trees apart, since a plain
+  step's rest differs from a tree step's, and differs most where plain steps are sent ahead).
+- With `chained` (the engine sends plain steps ahead of their answers: a verifier on a GPU), plain
+  decoding held costs the longer of its verifier step and its rest, not their sum: each step is
+  launched behind the one before, so the RPC and the manager's work hide behind the device. The
+  services on an H200 (7B class) ran plain decoding at 257, 3483 and 7460 tok/s at 1, 16 and 64
+  streams, where this controller, summing the terms of its looks at plain steps, had predicted 170,
+  2531 and 4986 (bench/results/services_h200_7b.json); one step at a time, plain decoding ran at 166,
+  2066 and 4577.
 - Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
@@ -260,8 +268,9 @@ PROBE = 8  # a drafter cut off from a request drafts one level for it every PROB
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
-                 chain: int = 0):
+                 chain: int = 0, chained: bool = False):
         self.explore, self.explore_max = explore, explore_max
+        self.chained = chained  # plain steps are sent ahead of their answers (the engine's steps_ahead)
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
         self.lookup = lookup  # lookup's chain first is a choice
         self.chain = chain  # lookup's longest chain (0: as deep as the trees)
@@ -326,15 +335,18 @@ class SpeculationController:
 
     def terms(self, batch_size: int, choice: Choice, full_tree: int) -> tuple[float, float, float, float]:
         """The model's terms for a choice: tokens a request emits per step, and the seconds of a step's
-        verifier step, drafting (times the chance the SSMs are asked at all) and the rest."""
+        verifier step, drafting (times the chance the SSMs are asked at all) and the rest; plain steps
+        `chained`, the longer of the verifier step and the rest as the first, the rest then 0."""
         m = choice.depth
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
         asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
-        return (self.expected_tokens(choice, share),
-                self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)]),
-                asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0,
-                self.overhead([1.0, batch_size, asked]))
+        verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
+        overhead = self.overhead([1.0, batch_size, asked, float(m > 0)])
+        if not m and self.chained:
+            return 1.0, max(verify, overhead), 0.0, 0.0
+        return (self.expected_tokens(choice, share), verify,
+                asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0, overhead)
 
     def expected_tokens(self, choice: Choice, share: float) -> float:
         """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
@@ -441,7 +453,7 @@ class SpeculationController:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
             if step.draft_levels:
                 self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
-            self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
+            self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0), float(step.trees)],
                               max(0.0, step.seconds - step.verify_s - step.draft_s))
         if not step.choice.depth or not step.accepted:
             return

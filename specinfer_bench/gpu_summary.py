@@ -143,10 +143,13 @@ def met(ok: bool) -> str:
 
 def split_cells(r: dict, who: str) -> str:
     """An iteration's split (specinfer.engine.split) as table cells: the whole, the verifier's own step and
-    its hop, the slowest drafter's own time and the drafters' hop, the engine's own work."""
-    g = lambda k: r[f"{who}_{k}"]  # noqa: E731
-    return " | ".join(f"{v:.1f}" for v in (g("ms_per_iteration"), g("verify_ms"), g("verify_wait_ms") - g("verify_ms"),
-                                           g("draft_ms"), g("draft_wait_ms") - g("draft_ms"), g("own_ms")))
+    its hop, the slowest drafter's own time and the drafters' hop, the engine's own work ("-" for what
+    a record from before the waits were kept does not have)."""
+    g = lambda k: r.get(f"{who}_{k}")  # noqa: E731
+    hop = lambda wait, own: None if g(wait) is None else g(wait) - g(own)  # noqa: E731
+    return " | ".join("-" if v is None else f"{v:.1f}" for v in (
+        g("ms_per_iteration"), g("verify_ms"), hop("verify_wait_ms", "verify_ms"), g("draft_ms"),
+        hop("draft_wait_ms", "draft_ms"), g("own_ms")))
 
 
 def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:

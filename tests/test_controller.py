@@ -7,14 +7,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specinfer.controller import PROBE, WARMUP, Fit, Iteration, SpeculationController
+from specinfer.controller import PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
 
 
 def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
-             chain_accept=0.0, chain_found=1.0, chain=0, first=(0, 0.0)):
+             chain_accept=0.0, chain_found=1.0, chain=0, first=(0, 0.0), tree_overhead=None, chained=False):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
     seconds per level the speculators draft, each draft token accepted (given its parent was) with
     probability `accept`. With lookup on (the controller's), context lookup finds a chain of `chain`
@@ -23,10 +23,14 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     with their trees (the accepted path is the longer of the two); on lookup's, the speculators draft
     the tree of each request it finds none for. first = (k, seconds): a choice's first k iterations
     each cost that much more, half in the verifier's step and half in drafting (one-time costs).
+    `overhead` is each step's rest (`tree_overhead` a tree step's, where given); `chained`: as the engine
+    sends plain steps ahead, the next choice is made before a step is recorded, and a plain step whose
+    next is plain too hides its rest behind the verifier's step (it costs the longer of the two).
     Returns how often each choice was made over the second half: the SSMs' depth, or "lookup"."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     chosen, runs = Counter(), Counter()
+    c = controller.choose(batch_size, full)
 
     def run(p, depth):  # tokens of a path accepted with probability p each, at most depth
         a = 0
@@ -35,7 +39,6 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
         return a
 
     for i in range(iterations):
-        c = controller.choose(batch_size, full)
         m = c.depth
         if i >= iterations // 2:
             chosen[m if c.speculators else "lookup"] += 1
@@ -54,9 +57,17 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
         runs[c] += 1
         if runs[c] <= first[0]:
             v, d = v + first[1] / 2, d + first[1] / 2 * bool(levels)
-        controller.record(Iteration(batch_size, c, rows, m > 0, levels,
-                                    sum(full[m - 1] for a in asked if a), v + d + overhead, v, d,
-                                    accepted, nodes, asked, chains))
+        rest = overhead if not m or tree_overhead is None else tree_overhead
+        step = Iteration(batch_size, c, rows, m > 0, levels, sum(full[m - 1] for a in asked if a), v + d + rest, v, d,
+                         accepted, nodes, asked, chains)
+        if chained:  # the next step is chosen as this one is sent; both plain: sent ahead
+            c = controller.choose(batch_size, full) if i + 1 < iterations else c
+            if not m and not c.depth:
+                step.seconds = max(v, rest)
+            controller.record(step)
+        else:
+            controller.record(step)
+            c = controller.choose(batch_size, full) if i + 1 < iterations else c
     return chosen
 
 
@@ -295,3 +306,35 @@ def test_the_summary_sets_what_each_choice_gave_beside_its_prediction():
     m = int(held.split()[1])  # a step verifies 2 rows and per request its tree and lookup's chain, merged
     rows = 2 + 2 * (tree_size(EXPANSION[:m]) + m)
     assert summary["realized_terms"][held][1:] == pytest.approx([10.0 + 0.2 * rows, 0.5 * m, 1.0], rel=1e-6)
+
+
+def test_plain_steps_sent_ahead_are_priced_as_they_chain():
+    """Plain steps sent ahead (a verifier on a GPU) hide their rest (the RPC, the manager's work) behind
+    the device: held, a plain step costs the longer of the two. While lookup's chain holds, the only
+    plain steps the controller sees are its looks, one at a time (4.5 ms steps and 2 ms of rest at 16
+    requests): told that plain steps chain, it prices plain decoding held at 16 / 4.5 ms, not 16 / 6.5."""
+    looks = [Iteration(16, PLAIN, 16, False, 0, 0, 0.0065, 0.0045, 0.0) for _ in range(8)]
+    chain = [Iteration(16, Choice(4, False), 80, True, 0, 0, 0.011, 0.007, 0.0, [(1, 4)] * 16, [4] * 16,
+                       [False] * 16, [(1, 4)] * 16) for _ in range(24)]
+    for chained, seconds in ((True, 0.0045), (False, 0.0065)):
+        c = SpeculationController(lookup=True, chained=chained)
+        for i, step in enumerate(chain):
+            c.record(step)
+            if i % 3 == 0:
+                c.record(looks[i // 3])
+        assert c.rate(16, PLAIN, 0) == pytest.approx(16 / seconds, rel=0.02), chained
+        assert c.rate(16, Choice(4, False), 8) == pytest.approx(16 * c.expected_tokens(Choice(4, False), 0.0) / 0.011,
+                                                                rel=0.02)
+
+
+def test_held_plain_decoding_sent_ahead_beats_a_chain_it_outruns_and_not_one_that_outruns_it():
+    """At 16 requests, plain steps of 4.5 ms with 2 ms of rest give 3556 tok/s held and sent ahead;
+    lookup's chain (4 tokens, each accepted half the time given its parent: 1.9 tokens a step) for 7 ms
+    steps and 4 ms of rest gives 2800: plain decoding holds. A chain accepted 83% of the time (3.5
+    tokens, 5100 tok/s) holds instead."""
+    world = dict(verify=lambda b, rows: 0.0045 if rows == b else 0.007, draft_level=0.02, overhead=0.002,
+                 tree_overhead=0.004, chained=True)
+    plain = simulate(SpeculationController(explore=16, lookup=True, chained=True), 16, 400, chain_accept=0.5, **world)
+    assert plain[0] >= 0.9 * sum(plain.values()), plain
+    chain = simulate(SpeculationController(explore=16, lookup=True, chained=True), 16, 400, chain_accept=0.83, **world)
+    assert chain["lookup"] >= 0.9 * sum(chain.values()), chain

@@ -37,6 +37,8 @@ def test_the_summary_weighs_each_stream_count_against_the_goals(tmp_path):
     assert "2,1,1@16 2100.0 = 1.05x off (goal >= 1.0x: met)" in text
     assert "off 0.94x (goal >= 0.9x: met), 2,1,1@16 0.80x (goal >= 0.9x: MISSED)" in text
     assert "all/verifier/its hop/speculator/its hop/manager own: off 9.0/6.0/0.8/1.5/0.2/0.5" in text
+    old = {k: v for k, v in rows[0].items() if "wait" not in k and "own" not in k}  # a record from before the waits
+    assert "off 9.0/6.0/-/1.5/-/-" in summary(tmp_path, result([old], []))
     assert "its hop/engine own" in text
     assert "services 2,1,1@16 97.0%" in text and "in process 2,1,1@16 96.0%" in text
     assert len(text.splitlines()) <= 8
