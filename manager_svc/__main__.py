@@ -133,8 +133,8 @@ async def main(cfg: ManagerConfig) -> None:
     tokenizer = Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json"))
     grammars = Grammars(tokenizer.to_str(), vinfo.vocab_size, list(vinfo.eos_token_ids))
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
-                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens, chained=steps_ahead)
-                               if cfg.adaptive and speculators else None,
+                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
+                               else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
                                prediction_tokens(vinfo.device))
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,

@@ -62,26 +62,35 @@ class EngineSplit:
     `all` is its share: `verifier_step` and `drafting` are the verifier's and the slowest speculator's
     own figures, `verifier_wait` and `drafting_wait` what the engine spent awaiting them (their own
     time, and the RPC, queues and threads on both sides), and `all` less the two waits is the
-    manager's own work (planning, merging, committing, protobuf)."""
+    manager's own work (planning, merging, committing, protobuf). Where plain steps are sent ahead, a
+    step runs while the manager does other work, so the wait for it is shorter than the step: the
+    hop (wait less step) then reads below zero. Each counter is read as it stands: a scrape during an
+    iteration may count part of it."""
 
     def __init__(self):
         self.stats: Callable[[], Stats] | None = None  # the engine's (set when the manager starts)
 
+    def describe(self):  # the names, for the registry's clash check (collect yields none before the engine is set)
+        return self._families(dict.fromkeys(("iterations", "batched", *SPLIT_PARTS), 0.0))
+
     def collect(self):
         if self.stats is None:
-            return
-        counters = self.stats().counters()
-        yield CounterMetricFamily("specinfer_engine_iterations", "speculative iterations (one verifier step each)",
-                                  value=counters["iterations"])
-        yield CounterMetricFamily("specinfer_engine_batched_requests", "requests over those iterations (mean batch = "
-                                  "this / specinfer_engine_iterations_total)", value=counters["batched"])
+            return []
+        return self._families(self.stats().counters())
+
+    @staticmethod
+    def _families(counters: dict[str, float]) -> list:
         seconds = CounterMetricFamily("specinfer_engine_seconds", "the iterations' wall time (all), and of it: the "
                                       "verifier's own step (verifier_step) and the wait for its answer (verifier_wait), "
                                       "the slowest speculator's own drafting (drafting) and the wait for the trees "
                                       "(drafting_wait), constrained requests' grammars (grammar)", labels=["part"])
         for part in SPLIT_PARTS:
             seconds.add_metric([part], counters[part])
-        yield seconds
+        return [CounterMetricFamily("specinfer_engine_iterations", "speculative iterations (one verifier step each)",
+                                    value=counters["iterations"]),
+                CounterMetricFamily("specinfer_engine_batched_requests", "requests over those iterations (mean batch "
+                                    "= this / specinfer_engine_iterations_total)", value=counters["batched"]),
+                seconds]
 
 
 ENGINE = EngineSplit()

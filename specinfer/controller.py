@@ -27,13 +27,15 @@ go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for l
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
-  fitted to [1, m, nodes]; overhead the rest of the iteration (RPCs, bookkeeping), fitted to
-  [1, B, asked, trees] (asked: 1 if the speculators were asked for trees; trees apart, since a plain
-  step's rest differs from a tree step's, and differs most where plain steps are sent ahead).
-- With `chained` (the engine sends plain steps ahead of their answers: a verifier on a GPU), plain
-  decoding held costs the longer of its verifier step and its rest, not their sum: each step is
-  launched behind the one before, so the RPC and the manager's work hide behind the device. The
-  services on an H200 (7B class) ran plain decoding at 257, 3483 and 7460 tok/s at 1, 16 and 64
+  fitted to [1, m, nodes]; overhead the rest of a tree step's iteration (RPCs, bookkeeping), fitted
+  to [1, B, asked] (asked: 1 if the speculators were asked for trees), and a plain step's rest apart,
+  fitted to [1, B] (until it has PLAIN_SETTLED samples, the tree steps' rest without drafting stands in).
+- A plain step sent ahead of its answer (the engine's steps ahead: a verifier on a GPU) is launched
+  behind the one before, so its RPC and the manager's work hide behind the device: its iteration
+  takes the longer of the two, which is what its rest's fit takes from it (a plain step one at a
+  time gives its rest). Where the engine would send the batch's plain steps ahead (`choose`'s
+  `chained`), plain decoding held costs the longer of its verifier step and that rest, not their sum.
+  The services on an H200 (7B class) ran plain decoding at 257, 3483 and 7460 tok/s at 1, 16 and 64
   streams, where this controller, summing the terms of its looks at plain steps, had predicted 170,
   2531 and 4986 (bench/results/services_h200_7b.json); one step at a time, plain decoding ran at 166,
   2066 and 4577.
@@ -178,6 +180,7 @@ class Iteration:
     # and with context lookup on, its chain's (tokens the verified ones agree with, the chain's room),
     # None where lookup found none (lookup.chain_outcome)
     chains: list[tuple[int, int] | None] = field(default_factory=list)
+    ahead: bool = False  # a plain step sent ahead of its answer: `seconds` is what it added behind the one before
 
 
 @dataclass
@@ -259,6 +262,7 @@ class Looks:
     count: int = 0  # looks so far (taking the neighbours in turn)
 
 
+PLAIN_SETTLED = 4  # plain steps' rest has its own fit from this many samples on
 WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or compiled for its paths and
 # shapes, buffers grown): their costs are left out of the fits (see SpeculationController.record)
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
@@ -268,13 +272,13 @@ PROBE = 8  # a drafter cut off from a request drafts one level for it every PROB
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
-                 chain: int = 0, chained: bool = False):
+                 chain: int = 0):
         self.explore, self.explore_max = explore, explore_max
-        self.chained = chained  # plain steps are sent ahead of their answers (the engine's steps_ahead)
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
         self.lookup = lookup  # lookup's chain first is a choice
         self.chain = chain  # lookup's longest chain (0: as deep as the trees)
-        self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
+        self.verify, self.draft, self.overhead, self.plain_rest = Fit(window), Fit(window), Fit(window), Fit(window)
+        self.chained: dict[int, bool] = {}  # batch size -> whether its plain steps would be sent ahead (last told)
         # the SSMs' trees (True) and lookup's chains (False), measured apart
         self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
         self.nodes: dict[Choice, float] = {}  # choice -> mean merged tree nodes per request
@@ -327,26 +331,34 @@ class SpeculationController:
             return 0.0
         return self.nodes.get(choice, float(full_tree if choice.speculators else choice.depth))
 
-    def rate(self, batch_size: int, choice: Choice, full_tree: int) -> float:
+    def rate(self, batch_size: int, choice: Choice, full_tree: int, chained: bool = False) -> float:
         """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
-        choice's depth)."""
-        tokens, verify, draft, overhead = self.terms(batch_size, choice, full_tree)
-        return batch_size * tokens / max(verify + draft + overhead, 1e-9)
+        choice's depth; chained: plain steps would be sent ahead)."""
+        tokens, *seconds = self.terms(batch_size, choice, full_tree)
+        return batch_size * tokens / max(self.cost(choice, *seconds, chained), 1e-9)
+
+    @staticmethod
+    def cost(choice: Choice, verify: float, draft: float, rest: float, chained: bool) -> float:
+        """A step's seconds from its terms: their sum, or for plain steps sent ahead the longer of the
+        verifier's step and the rest (each launched behind the one before)."""
+        return max(verify, rest) if chained and not choice.depth else verify + draft + rest
 
     def terms(self, batch_size: int, choice: Choice, full_tree: int) -> tuple[float, float, float, float]:
         """The model's terms for a choice: tokens a request emits per step, and the seconds of a step's
-        verifier step, drafting (times the chance the SSMs are asked at all) and the rest; plain steps
-        `chained`, the longer of the verifier step and the rest as the first, the rest then 0."""
+        verifier step, drafting (times the chance the SSMs are asked at all) and the rest."""
         m = choice.depth
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
         asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
+        if m:
+            rest = self.overhead([1.0, batch_size, asked])
+        elif len(self.plain_rest.samples) >= PLAIN_SETTLED:
+            rest = self.plain_rest([1.0, batch_size])
+        else:  # no plain steps seen yet (or too few): the tree steps' rest without drafting stands in
+            rest = self.overhead([1.0, batch_size, 0.0])
         verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
-        overhead = self.overhead([1.0, batch_size, asked, float(m > 0)])
-        if not m and self.chained:
-            return 1.0, max(verify, overhead), 0.0, 0.0
-        return (self.expected_tokens(choice, share), verify,
-                asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0, overhead)
+        draft = asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0
+        return self.expected_tokens(choice, share), verify, draft, rest
 
     def expected_tokens(self, choice: Choice, share: float) -> float:
         """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
@@ -355,9 +367,11 @@ class SpeculationController:
             return ssm
         return (1.0 - share) * self.acceptance[False].expected_tokens(self.chain or choice.depth) + share * ssm
 
-    def choose(self, batch_size: int, full_trees: list[int]) -> Choice:
+    def choose(self, batch_size: int, full_trees: list[int], chained: bool = False) -> Choice:
         """What the server drafts this iteration; full_trees[m-1] is the node count of one
-        speculator's tree of depth m, for every depth the tree budget allows at this batch size."""
+        speculator's tree of depth m, for every depth the tree budget allows at this batch size;
+        chained: the engine would send this batch's plain steps ahead of their answers."""
+        self.chained[batch_size] = chained
         choice = self._choose(batch_size, full_trees)
         made = self.made.setdefault(batch_size, {})
         made[choice] = made.get(choice, 0) + 1
@@ -376,7 +390,8 @@ class SpeculationController:
         if look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees:
             best = options.index(look.best)  # the rates move little from one iteration to the next
         else:
-            rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0) for c in options]
+            rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0, self.chained[batch_size])
+                     for c in options]
             best = max(range(len(options)), key=rates.__getitem__)
             if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
                 best = 0
@@ -396,10 +411,13 @@ class SpeculationController:
 
     def summary(self) -> dict:
         """Per batch size: how often each choice was made, each choice's predicted tokens per second of
-        the batch now, and what each choice run there gave over its recorded steps (tokens per second of
-        their own time), for a log line: why a load ran with the trees it did. Beside them, the terms
-        of each: tokens a request got per step, and ms a step of the verifier, the drafting and the
-        rest, predicted and as they came, so that a wrong choice shows which term misled it."""
+        the batch now, and what each choice run there gave over all its recorded steps (tokens per
+        second of their own time; a request on an expansion of its own or a prediction counts one
+        token), for a log line: why a load ran with the trees it did. Beside them, the terms of each:
+        tokens a request got per step, and ms a step of the verifier, the drafting and the rest,
+        predicted and as they came, so that a wrong choice shows which term misled it (a plain step
+        sent ahead came in the longer of its step and its rest: its rest is what it added beyond
+        its verifier's step)."""
         def label(c: Choice) -> str:
             return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
 
@@ -408,14 +426,16 @@ class SpeculationController:
             return {c: self.terms(b, c, full[c.depth - 1] if c.depth else 0) for c in self.choices(len(full))}
 
         def came(b: int, n: int, tokens: int, seconds: float, verify: float, draft: float) -> list[float]:
-            return [round(tokens / (n * b), 3), *(round(1e3 * t / n, 3) for t in (verify, draft, seconds - verify - draft))]
+            per_step = (verify, draft, seconds - verify - draft)
+            return [round(tokens / (n * b), 3), *(round(1e3 * t / n, 3) for t in per_step)]
 
         out = {}
         for b, made in sorted(self.made.items()):
-            terms, ran = predicted(b), self.ran.get(b, {})
+            terms, ran, chained = predicted(b), self.ran.get(b, {}), self.chained.get(b, False)
             out[str(b)] = {
                 "chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
-                "predicted_tok_s": {label(c): round(b * t[0] / max(sum(t[1:]), 1e-9), 1) for c, t in terms.items()},
+                "predicted_tok_s": {label(c): round(b * t[0] / max(self.cost(c, *t[1:], chained), 1e-9), 1)
+                                    for c, t in terms.items()},
                 "realized_tok_s": {label(c): round(r[1] / r[2], 1) for c, r in ran.items() if r[2] > 0},
                 "predicted_terms": {label(c): [round(t[0], 3), *(round(1e3 * x, 3) for x in t[1:])]
                                     for c, t in terms.items()},
@@ -453,8 +473,12 @@ class SpeculationController:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
             if step.draft_levels:
                 self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
-            self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0), float(step.trees)],
-                              max(0.0, step.seconds - step.verify_s - step.draft_s))
+            if step.trees:
+                self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
+                                  max(0.0, step.seconds - step.verify_s - step.draft_s))
+            else:  # a plain step sent ahead took the longer of its step and its rest: that is what it cost
+                self.plain_rest.add([1.0, step.batch_size], step.seconds if step.ahead
+                                    else max(0.0, step.seconds - step.verify_s - step.draft_s))
         if not step.choice.depth or not step.accepted:
             return
         self.acceptance[True].record([a for a, asked in zip(step.accepted, step.asked) if asked]

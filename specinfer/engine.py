@@ -363,8 +363,9 @@ class Stats:
 def split(counters: dict[str, float]) -> dict:
     """Per iteration, from `Stats.counters` (or the difference of two readings): the mean batch and
     the ms of the whole iteration and of each part. `overhead_ms` is what is neither the verifier's
-    nor the slowest drafter's own time; `own_ms` what the engine did not spend awaiting them (its own
-    work, without the hops to them and back: the waits less their own times)."""
+    nor the slowest drafter's own time; `own_ms` what the engine did not spend awaiting them: its own
+    work (a wait less the awaited one's own time is the hop to it and back, below zero where a step
+    sent ahead ran while the engine did other work)."""
     n = max(counters["iterations"], 1)
     ms = {part: 1e3 * counters[part] / n for part in SPLIT_PARTS}
     return {"iterations": int(counters["iterations"]), "mean_batch": counters["batched"] / n,
@@ -502,7 +503,7 @@ class SpeculativeEngine:
         if chunks:
             batch = [s for s in batch if s.id not in chunks]
         full_trees = self._full_trees(len(batch))
-        choice = self._choose(len(batch), full_trees)
+        choice = self._choose(len(batch), full_trees, self._chains(batch))
         predicted = self._predicted(batch)
         trees, sources, plans, chains, (levels, nodes, asked, drafted) = await self._draft(
             batch, choice, len(full_trees), predicted)
@@ -607,7 +608,7 @@ class SpeculativeEngine:
         if self.controller is not None and ahead.steady:
             self.controller.record(Iteration(
                 batch_size=len(ahead.seqs), choice=ahead.choice, rows=ahead.rows, trees=False, draft_levels=0,
-                draft_nodes=0, seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=0.0))
+                draft_nodes=0, seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=0.0, ahead=True))
         self.stats.add(len(ahead.seqs), 0, time.perf_counter() - start, step_ns / 1e9, 0.0, verify_wait_s=waited)
         return out
 
@@ -615,13 +616,10 @@ class SpeculativeEngine:
         """Send the requests' next step now if it is plain for every one of them and needs nothing the
         steps in flight answer (`in_flight`: the requests with a plain step in flight, whose verifier
         then holds one token more than their record); None where it is not sent."""
-        if not self.steps_ahead or not seqs:
-            return None
-        if any(s.constraint is not None or (s.prediction is not None and s.expansion != [] and s.prediction.drafting)
-               or (s.id not in in_flight and self._chunk(s)) for s in seqs):  # (a prediction's chain needs the answer)
+        if not seqs or not self._chains(seqs, in_flight):
             return None
         fits = len(full_trees := self._full_trees(len(seqs)))
-        choice = self._choose(len(seqs), full_trees)
+        choice = self._choose(len(seqs), full_trees, True)
         plans = {s.id: self._plan(s, choice) for s in seqs}
         if (self.drafters or self.lookup) and any(plans.values()):
             self.chosen = (len(seqs), choice)  # the next iteration drafts on it
@@ -653,13 +651,24 @@ class SpeculativeEngine:
         self.verifier_release.update(ahead.release)
         return ahead
 
-    def _choose(self, batch_size: int, full_trees: list[int]) -> Choice:
+    def _chains(self, seqs: list[Sequence], in_flight: set[str] = frozenset()) -> bool:
+        """Whether these requests' plain steps would be sent ahead: steps ahead on, and none needs the
+        answer before its next step (a grammar's state, a prediction's chain) or has a prompt left to
+        prefill (`in_flight`: requests with a plain step in flight, whose record that step completes)."""
+        return self.steps_ahead and not any(
+            s.constraint is not None or (s.prediction is not None and s.expansion != [] and s.prediction.drafting)
+            or (s.id not in in_flight and self._chunk(s)) for s in seqs)
+
+    def _choose(self, batch_size: int, full_trees: list[int], chains: bool) -> Choice:
         """The server's choice for a step of `batch_size` requests: the one made for it when a step
-        ahead was weighed and not sent, else the controller's now (without one: the whole trees)."""
+        ahead was weighed and not sent, else the controller's now (without one: the whole trees);
+        chains: the batch's plain steps would be sent ahead (the controller prices plain decoding so)."""
         chosen, self.chosen = self.chosen, None
         if chosen is not None and chosen[0] == batch_size:
             return chosen[1]
-        return Choice(len(full_trees)) if self.controller is None else self.controller.choose(batch_size, full_trees)
+        if self.controller is None:
+            return Choice(len(full_trees))
+        return self.controller.choose(batch_size, full_trees, chains)
 
     def _check(self, s: Sequence, tree: TokenTree | None = None, features: bool = False,
                allowed: AllowedTokens | None = None, ahead: bool = False) -> Check:

@@ -154,7 +154,7 @@ def split_cells(r: dict, who: str) -> str:
 
 def streams(where: str, at: dict[str, dict], c: int, split: str) -> str:
     """One stream count's line: off's tok/s, every other setting against it (against the goals through
-    the services), and each setting's ms per iteration (report.split_cells): the whole, the verifier's
+    the services), and each setting's ms per iteration (split_cells): the whole, the verifier's
     step and its hop, the slowest speculator's and the speculators' hop, the manager's (engine's) own."""
     off, goals = at.get("off"), where == "services"
     figures = []

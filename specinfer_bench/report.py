@@ -68,7 +68,8 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "device); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
              f"ignore_eos; {max_new_tokens} new tokens per request; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "
              "each run in the JSON); an iteration's split from the manager's metrics over the timed runs: the "
-             "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads), "
+             "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads; "
+             "below 0 where plain steps are sent ahead), "
              "the slowest speculator's own drafting, the speculators' hop, and the manager's own work", "",
              "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "
              "| iteration ms | verifier ms | verifier hop ms | speculator ms | speculator hop ms | manager own ms |",

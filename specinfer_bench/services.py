@@ -8,8 +8,9 @@ setting (this machine's speed drifts, and a process that slows as it runs would
 favour whichever setting runs first; medians are reported and every run's figure kept). Each row's split of
 an iteration comes from its manager's /metrics (`specinfer_engine_*`), read before and after each timed run,
 so the greedy check is not in it: the verifier's own step and what the manager waited for its answer (the
-difference is the hop: RPC, queues, threads), the same for the slowest speculator, and the manager's own
-work. The per-shape figures and the controller's choices come from its log, over all its runs.
+difference is the hop: RPC, queues, threads; below zero where plain steps are sent ahead, each running
+while the manager does other work), the same for the slowest speculator, and the manager's own work. The
+per-shape figures and the controller's choices come from its log, over all its runs.
 
     python -m specinfer_bench.services --out bench/results/services_cpu
     python -m specinfer_bench.services --llm /tmp/llm-1b --concurrency 1,4,8,16,32,64 --out bench/results/services_h100_llama-1b
