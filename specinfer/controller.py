@@ -31,10 +31,12 @@ go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for l
   to [1, B, asked] (asked: 1 if the speculators were asked for trees), and a plain step's rest apart,
   fitted to [1, B] (until it has PLAIN_SETTLED samples, the tree steps' rest without drafting stands in).
 - A plain step sent ahead of its answer (the engine's steps ahead: a verifier on a GPU) is launched
-  behind the one before, so its RPC and the manager's work hide behind the device: its iteration
-  takes the longer of the two, which is what its rest's fit takes from it (a plain step one at a
-  time gives its rest). Where the engine would send the batch's plain steps ahead (`choose`'s
-  `chained`), plain decoding held costs the longer of its verifier step and that rest, not their sum.
+  behind the one before, so its RPC and the manager's work hide behind the device. Such steps' whole
+  iterations have a fit of their own ([1, B]). Where the engine would send the batch's plain steps
+  ahead (`choose`'s `chained`), plain decoding held costs what that fit says, or, before it has
+  PLAIN_SETTLED samples (plain decoding not held yet: only looks at it, one step at a time), the
+  longer of its verifier step and its rest, not their sum (a bound: where the RPC is most of the
+  rest, two steps in flight overlap it and held plain decoding comes out faster still).
   The services on an H200 (7B class) ran plain decoding at 257, 3483 and 7460 tok/s at 1, 16 and 64
   streams, where this controller, summing the terms of its looks at plain steps, had predicted 170,
   2531 and 4986 (bench/results/services_h200_7b.json); one step at a time, plain decoding ran at 166,
@@ -257,12 +259,13 @@ class Looks:
     best: Choice | None = None  # the choice the model made last
     weighed: int = -REWEIGH  # the iteration it was made at (the choices' rates weighed)
     trees: list[int] | None = None  # the full trees it was made for
+    chained: bool = False  # and whether plain steps would be sent ahead then
     gap: int = 0  # iterations between looks now
     next_look: int = 0  # the iteration of the next look
     count: int = 0  # looks so far (taking the neighbours in turn)
 
 
-PLAIN_SETTLED = 4  # plain steps' rest has its own fit from this many samples on
+PLAIN_SETTLED = 4  # a plain step's rest, and plain steps sent ahead, have their own fits from this many samples
 WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or compiled for its paths and
 # shapes, buffers grown): their costs are left out of the fits (see SpeculationController.record)
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
@@ -277,7 +280,8 @@ class SpeculationController:
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
         self.lookup = lookup  # lookup's chain first is a choice
         self.chain = chain  # lookup's longest chain (0: as deep as the trees)
-        self.verify, self.draft, self.overhead, self.plain_rest = Fit(window), Fit(window), Fit(window), Fit(window)
+        self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
+        self.plain_rest, self.plain_ahead = Fit(window), Fit(window)  # a plain step's rest; one sent ahead, whole
         self.chained: dict[int, bool] = {}  # batch size -> whether its plain steps would be sent ahead (last told)
         # the SSMs' trees (True) and lookup's chains (False), measured apart
         self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
@@ -333,32 +337,30 @@ class SpeculationController:
 
     def rate(self, batch_size: int, choice: Choice, full_tree: int, chained: bool = False) -> float:
         """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
-        choice's depth; chained: plain steps would be sent ahead)."""
-        tokens, *seconds = self.terms(batch_size, choice, full_tree)
-        return batch_size * tokens / max(self.cost(choice, *seconds, chained), 1e-9)
+        choice's depth; chained: its plain steps would be sent ahead)."""
+        tokens, *seconds = self.terms(batch_size, choice, full_tree, chained)
+        return batch_size * tokens / max(sum(seconds), 1e-9)
 
-    @staticmethod
-    def cost(choice: Choice, verify: float, draft: float, rest: float, chained: bool) -> float:
-        """A step's seconds from its terms: their sum, or for plain steps sent ahead the longer of the
-        verifier's step and the rest (each launched behind the one before)."""
-        return max(verify, rest) if chained and not choice.depth else verify + draft + rest
-
-    def terms(self, batch_size: int, choice: Choice, full_tree: int) -> tuple[float, float, float, float]:
+    def terms(self, batch_size: int, choice: Choice, full_tree: int,
+              chained: bool = False) -> tuple[float, float, float, float]:
         """The model's terms for a choice: tokens a request emits per step, and the seconds of a step's
-        verifier step, drafting (times the chance the SSMs are asked at all) and the rest."""
+        verifier step, drafting (times the chance the SSMs are asked at all) and the rest (for plain
+        steps sent ahead, what a step takes beyond its verifier step)."""
         m = choice.depth
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
         asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
+        verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
         if m:
-            rest = self.overhead([1.0, batch_size, asked])
-        elif len(self.plain_rest.samples) >= PLAIN_SETTLED:
+            draft = asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0
+            return self.expected_tokens(choice, share), verify, draft, self.overhead([1.0, batch_size, asked])
+        if chained and len(self.plain_ahead.samples) >= PLAIN_SETTLED:
+            return 1.0, verify, 0.0, self.plain_ahead([1.0, batch_size]) - verify  # (below 0 where the fits differ)
+        if len(self.plain_rest.samples) >= PLAIN_SETTLED:
             rest = self.plain_rest([1.0, batch_size])
         else:  # no plain steps seen yet (or too few): the tree steps' rest without drafting stands in
             rest = self.overhead([1.0, batch_size, 0.0])
-        verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
-        draft = asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0
-        return self.expected_tokens(choice, share), verify, draft, rest
+        return 1.0, verify, 0.0, max(rest - verify, 0.0) if chained else rest
 
     def expected_tokens(self, choice: Choice, share: float) -> float:
         """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
@@ -387,18 +389,19 @@ class SpeculationController:
                 return c
         look = self.looks.setdefault(batch_size, Looks())
         look.iterations += 1
-        if look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees:
+        chained = self.chained[batch_size]
+        if (look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees
+                and look.chained == chained):
             best = options.index(look.best)  # the rates move little from one iteration to the next
         else:
-            rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0, self.chained[batch_size])
-                     for c in options]
+            rates = [self.rate(batch_size, c, full_trees[c.depth - 1] if c.depth else 0, chained) for c in options]
             best = max(range(len(options)), key=rates.__getitem__)
             if rates[best] < (1 + self.margin) * rates[0]:  # a near tie: costs the model does not see decide it
                 best = 0
             # a choice that moved is weighed again at the next iteration, so that one odd step (a stall)
             # moves it for one iteration, as when every iteration was weighed, not for REWEIGH
             moved = look.best is not None and look.best != options[best]
-            look.weighed, look.trees = look.iterations - (REWEIGH if moved else 0), full_trees
+            look.weighed, look.trees, look.chained = look.iterations - (REWEIGH if moved else 0), full_trees, chained
         if look.best != options[best]:  # the choice moved: look around often again
             look.best, look.gap, look.next_look = options[best], self.explore, look.iterations + self.explore
         elif look.iterations >= look.next_look:  # a neighbour, each in turn
@@ -415,15 +418,15 @@ class SpeculationController:
         second of their own time; a request on an expansion of its own or a prediction counts one
         token), for a log line: why a load ran with the trees it did. Beside them, the terms of each:
         tokens a request got per step, and ms a step of the verifier, the drafting and the rest,
-        predicted and as they came, so that a wrong choice shows which term misled it (a plain step
-        sent ahead came in the longer of its step and its rest: its rest is what it added beyond
-        its verifier's step)."""
+        predicted and as they came, so that a wrong choice shows which term misled it (for plain steps
+        sent ahead, the rest is what a step took beyond its verifier step: below 0 where the step ran
+        behind the one before)."""
         def label(c: Choice) -> str:
             return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
 
         def predicted(b: int) -> dict[Choice, tuple[float, float, float, float]]:
-            full = self.full_trees[b]
-            return {c: self.terms(b, c, full[c.depth - 1] if c.depth else 0) for c in self.choices(len(full))}
+            full, chained = self.full_trees[b], self.chained.get(b, False)
+            return {c: self.terms(b, c, full[c.depth - 1] if c.depth else 0, chained) for c in self.choices(len(full))}
 
         def came(b: int, n: int, tokens: int, seconds: float, verify: float, draft: float) -> list[float]:
             per_step = (verify, draft, seconds - verify - draft)
@@ -431,11 +434,10 @@ class SpeculationController:
 
         out = {}
         for b, made in sorted(self.made.items()):
-            terms, ran, chained = predicted(b), self.ran.get(b, {}), self.chained.get(b, False)
+            terms, ran = predicted(b), self.ran.get(b, {})
             out[str(b)] = {
                 "chosen": {label(c): n for c, n in sorted(made.items(), key=lambda kv: -kv[1])},
-                "predicted_tok_s": {label(c): round(b * t[0] / max(self.cost(c, *t[1:], chained), 1e-9), 1)
-                                    for c, t in terms.items()},
+                "predicted_tok_s": {label(c): round(b * t[0] / max(sum(t[1:]), 1e-9), 1) for c, t in terms.items()},
                 "realized_tok_s": {label(c): round(r[1] / r[2], 1) for c, r in ran.items() if r[2] > 0},
                 "predicted_terms": {label(c): [round(t[0], 3), *(round(1e3 * x, 3) for x in t[1:])]
                                     for c, t in terms.items()},
@@ -476,9 +478,10 @@ class SpeculationController:
             if step.trees:
                 self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
                                   max(0.0, step.seconds - step.verify_s - step.draft_s))
-            else:  # a plain step sent ahead took the longer of its step and its rest: that is what it cost
-                self.plain_rest.add([1.0, step.batch_size], step.seconds if step.ahead
-                                    else max(0.0, step.seconds - step.verify_s - step.draft_s))
+            elif step.ahead:  # a plain step sent ahead: what it took, its rest hidden behind the step before
+                self.plain_ahead.add([1.0, step.batch_size], step.seconds)
+            else:
+                self.plain_rest.add([1.0, step.batch_size], max(0.0, step.seconds - step.verify_s - step.draft_s))
         if not step.choice.depth or not step.accepted:
             return
         self.acceptance[True].record([a for a, asked in zip(step.accepted, step.asked) if asked]
