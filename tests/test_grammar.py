@@ -274,7 +274,7 @@ def test_the_grammars_forced_tokens_are_drafted_when_the_controller_decodes_plai
     req = Request(tok.encode(heldout_prompts[1]["prompt"]).ids, 64, id="r",
                   grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS["nested"])))
     engine = Engine(llm, ssms, Mode.TREE, [2, 1, 1], lookup=True, adaptive=True, grammars=grammars)
-    engine.engine.controller.choose = lambda batch_size, full_trees: PLAIN
+    engine.engine.controller.choose = lambda batch_size, full_trees, chained=False: PLAIN
     (g,) = engine.generate([req])
     (plain,) = Engine(llm, mode=Mode.INCREMENTAL, grammars=grammars).generate([req])
     assert g.token_ids == plain.token_ids

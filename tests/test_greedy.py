@@ -120,7 +120,7 @@ def test_a_drafter_that_never_agrees_is_cut_off_per_request_and_the_output_stays
     save_random_llama(tmp_path / "junk", 3, vocab=llm.cfg.vocab_size, hidden=32, layers=1)
     junk = LlamaModel.from_pretrained(tmp_path / "junk")
     engine = Engine(llm, [ssms[0], junk], Mode.MERGED, [2, 1, 1], adaptive=True)
-    engine.engine.controller.choose = lambda batch_size, full_trees: Choice(3)
+    engine.engine.controller.choose = lambda batch_size, full_trees, chained=False: Choice(3)
     drafted = {0: Counter(), 1: Counter()}  # drafter -> request -> steps it drafted for the request
     for i, drafter in enumerate(engine.engine.drafters):
         real = drafter.speculator.draft
