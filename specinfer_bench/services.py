@@ -278,7 +278,9 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         median = {k: statistics.median(r[k] for r in reports) for k in reports[0] if k != "concurrency"}
         # the split over the timed runs only, from a manager that exports it (a --baseline tree's may not: its log's then)
         timed_split = split(timed[config, c])
-        stats = {**manager_stats(logs / f"{managers[config, c].name}.log"), **(timed_split if timed_split["iterations"] else {})}
+        stats = manager_stats(logs / f"{managers[config, c].name}.log")
+        if timed_split["iterations"]:
+            stats.update(timed_split)
         rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
                      "identical_share": shares[config], **{f"manager_{k}": v for k, v in stats.items()}})
     return rows
