@@ -505,8 +505,8 @@ class SpeculativeEngine:
         full_trees = self._full_trees(len(batch))
         # (a step with a prompt's chunk, or a request drafting on an expansion of its own, is never sent ahead;
         # without steps ahead, _chains ends the test before any loop over the batch)
-        chains = not chunks and self._chains(batch) and not any(s.expansion for s in batch)
-        choice = self._choose(len(batch), full_trees, chains)
+        chained = not chunks and self._chains(batch) and not any(s.expansion for s in batch)
+        choice = self._choose(len(batch), full_trees, chained)
         predicted = self._predicted(batch)
         trees, sources, plans, chains, (levels, nodes, asked, drafted) = await self._draft(
             batch, choice, len(full_trees), predicted)
