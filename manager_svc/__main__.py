@@ -41,7 +41,7 @@ class ManagerConfig(ServerConfig):
     speculators: list[str] = option([], "speculators, comma-separated, one entry per SSM (merged): host:port, "
                                         "host:port|host:port|... (replicas of one SSM), or dns://[server]/name:port "
                                         "(replicas: SRV _grpc._tcp.name, else every A/AAAA address of name); "
-                                        "none: incremental decoding")
+                                        "none: context lookup alone (with --no-context-lookup too: incremental decoding)")
     discovery_interval: float = option(5.0, "seconds between DNS lookups of speculator replicas")
     auth_token: str = option("", "bearer token clients must send (metadata authorization: Bearer <token>); empty: none",
                              repr=False)  # never printed with the configuration
@@ -59,7 +59,8 @@ class ManagerConfig(ServerConfig):
     context_lookup: bool = option(True, "also draft, here, from each request's own earlier text: the tokens that followed "
                                         "the latest earlier occurrence of its last 1-3 tokens, a chain as deep as the "
                                         "speculators' trees (or --lookup-tokens), merged with them (code and loops repeat; "
-                                        "a 1-layer SSM cannot copy from its context); only with speculators")
+                                        "a 1-layer SSM cannot copy from its context); with no speculators, the only "
+                                        "drafter: an LLM without a drafter model of its own still speculates")
     lookup_tokens: int = option(CHAIN_TOKENS, "the longest chain context lookup drafts per step, whatever the trees' "
                                               "depth (it costs no drafting, only verified rows; the cost model "
                                               "measures its acceptance that deep); 0: as deep as the step's trees")
@@ -129,12 +130,12 @@ async def main(cfg: ManagerConfig) -> None:
     speculators = [SpeculatorReplicas(t, i, cfg.speculate_timeout, cfg.internal_message_bytes, credentials,
                                       tuple(vinfo.feature_layers)) for i, t in enumerate(targets)]
     await asyncio.gather(*(s.refresh() for s in speculators))
-    lookup = cfg.context_lookup and bool(speculators)
+    lookup = cfg.context_lookup  # with no speculators, the only drafter (beside grammars and predictions)
     tokenizer = Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json"))
     grammars = Grammars(tokenizer.to_str(), vinfo.vocab_size, list(vinfo.eos_token_ids))
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
-                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens) if cfg.adaptive and speculators
-                               else None,
+                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens, trees=bool(speculators))
+                               if cfg.adaptive and (speculators or lookup) else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
                                prediction_tokens(vinfo.device))
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,

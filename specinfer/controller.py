@@ -14,7 +14,9 @@ for lookup's choice (1 - s) (1 + sum_{d<=r} P_chain(accepted >= d)) + s tokens_s
 the measured share of requests lookup finds nothing for (the SSMs draft their trees instead) and r is
 the chain's length (`chain`, or m where that is 0): a chain costs no drafting, only rows, so it may
 go deeper than the trees. P(asked) is 1 for the SSMs' trees, 1 - (1 - s)^B for lookup's choice
-(the SSMs then draft s B trees).
+(the SSMs then draft s B trees). Without drafters (`trees` False: a manager with no speculators, an
+engine with no SSM or head) the choices are lookup's chain first and none, and a request lookup
+finds nothing for emits its one token.
 
 - P(accepted >= d) is the product of the measured acceptance rates of depths 1..d: of the steps whose
   tree reached depth d and whose accepted path reached depth d-1, the share that accepted a token at
@@ -275,10 +277,13 @@ PROBE = 8  # a drafter cut off from a request drafts one level for it every PROB
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
-                 chain: int = 0):
+                 chain: int = 0, trees: bool = True):
+        if not (trees or lookup):
+            raise ValueError("a controller needs something to choose: drafters' trees or context lookup's chain")
         self.explore, self.explore_max = explore, explore_max
         self.margin = margin  # drafting must be predicted this much faster than plain decoding
         self.lookup = lookup  # lookup's chain first is a choice
+        self.trees = trees  # drafters draft trees (False: no drafter, lookup's chain or none are the choices)
         self.chain = chain  # lookup's longest chain (0: as deep as the trees)
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
         self.plain_rest, self.plain_ahead = Fit(window), Fit(window)  # a plain step's rest; one sent ahead, whole
@@ -325,10 +330,12 @@ class SpeculationController:
                 self.pooled(drafter).record(accepted)
 
     def choices(self, top: int) -> list[Choice]:
-        """In order: none, lookup's chain first (every level), the SSMs' trees of depth 1..top."""
+        """In order: none, lookup's chain first (every level), the SSMs' trees of depth 1..top (with
+        drafters)."""
         if top == 0:
             return [PLAIN]
-        return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + [Choice(m) for m in range(1, top + 1)]
+        return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + \
+            ([Choice(m) for m in range(1, top + 1)] if self.trees else [])
 
     def tree_nodes(self, choice: Choice, full_tree: int) -> float:
         if not choice.depth:
@@ -348,7 +355,7 @@ class SpeculationController:
         steps sent ahead, what a step takes beyond its verifier step)."""
         m = choice.depth
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
-        asked = 1.0 - (1.0 - share) ** batch_size  # the chance that the SSMs are asked at all
+        asked = 1.0 - (1.0 - share) ** batch_size if self.trees else 0.0  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
         verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
         if m:
@@ -363,8 +370,9 @@ class SpeculationController:
         return 1.0, verify, 0.0, max(rest - verify, 0.0) if chained else rest
 
     def expected_tokens(self, choice: Choice, share: float) -> float:
-        """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft for)."""
-        ssm = self.acceptance[True].expected_tokens(choice.depth)
+        """Tokens a request emits per step on this choice (share: of lookup's, the requests the SSMs draft
+        for; without drafters, those it finds nothing for get no draft: their own token)."""
+        ssm = self.acceptance[True].expected_tokens(choice.depth) if self.trees else 1.0
         if choice.speculators:
             return ssm
         return (1.0 - share) * self.acceptance[False].expected_tokens(self.chain or choice.depth) + share * ssm

@@ -63,7 +63,7 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
     off = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["config"] == "off"}
     lines = [f"# Through the services ({meta['machine']})", "", f"`{meta['command']}`", "",
              "config = expansion@tree budget (the manager's defaults; @static: no adaptive controller; "
-             "@nolookup: no context lookup; @head: the --head feature speculators draft too; @logprobs: every request asks for its tokens' logprobs, top 5; @baseline: the manager of the --baseline source tree; @mss: sampled drafts verified by MSS instead of the guess of the coupled sample and top-k drafts matched "
+             "@nolookup: no context lookup; @alone: context lookup alone, no speculators; @head: the --head feature speculators draft too; @logprobs: every request asks for its tokens' logprobs, top 5; @baseline: the manager of the --baseline source tree; @mss: sampled drafts verified by MSS instead of the guess of the coupled sample and top-k drafts matched "
              "against it; @ahead, @sequential: plain steps sent ahead, or not, whatever the verifier's "
              "device); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
              f"ignore_eos; {max_new_tokens} new tokens per request; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "

@@ -64,7 +64,7 @@ from .inprocess import load_prompt_ids, reference_greedy
 from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "mss", "baseline", "head", "logprobs", "sequential", "ahead"}
+OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead"}
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
 SPLIT = ("ms_per_iteration", "verify_ms", "verify_wait_ms", "draft_ms", "draft_wait_ms", "overhead_ms", "own_ms",
@@ -80,7 +80,8 @@ def default_config(device: str) -> str:
 
 def manager_flags(config: str, verifier: str, speculators: list[str], heads: list[str] = ()) -> list[str]:
     """'off', or EXPANSION@TREE_BUDGET, each with options @name (@static: without the adaptive
-    controller; @nolookup: without the manager's context lookup; @mss: sampled requests ask for
+    controller; @nolookup: without the manager's context lookup; @alone: context lookup alone, no
+    speculators (what an LLM without a drafter model gets); @mss: sampled requests ask for
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
     runs from the --baseline source tree; @head: the feature speculators `heads` draft too; @logprobs:
     the load's requests ask for logprobs, a request option the manager's flags do not see; @sequential and
@@ -91,15 +92,17 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
         raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} ({', '.join(sorted(OPTIONS))})")
     if "sequential" in options or "ahead" in options:
         flags += ["--steps-ahead", "off" if "sequential" in options else "on"]
-    if name != "off":
-        expansion, budget, *options = config.split("@")
-        if "head" in options and not heads:
-            raise ValueError(f"--configs {config!r}: @head needs --head")
-        speculators = [*speculators, *heads] if "head" in options else speculators
-        flags += ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
-                  "--no-adaptive" if "static" in options else "--adaptive",
-                  "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
-    return flags
+    if name == "off":  # no speculators and no lookup: incremental decoding
+        return flags + ["--no-context-lookup"]
+    expansion, budget, *options = config.split("@")
+    if "head" in options and not heads:
+        raise ValueError(f"--configs {config!r}: @head needs --head")
+    if "alone" in options and ({"head", "nolookup"} & set(options)):
+        raise ValueError(f"--configs {config!r}: @alone is context lookup without speculators")
+    speculators = [] if "alone" in options else [*speculators, *heads] if "head" in options else speculators
+    return flags + ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
+                    "--no-adaptive" if "static" in options else "--adaptive",
+                    "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
 
 
 def engine_settings(config: str, ssms: int, device: str) -> dict:
@@ -295,7 +298,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy), seeded")
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
                    help="';'-separated: 'off', 'default' (the manager's defaults) or EXPANSION@TREE_BUDGET[@static] "
-                        "(@static: without the adaptive controller; @head: with the --head speculators; see manager_flags)")
+                        "(@static: without the adaptive controller; @head: with the --head speculators; @alone: context "
+                        "lookup alone, no speculators; see manager_flags)")
     p.add_argument("--llm", default=DEFAULT_LLM,
                    help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
     p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")

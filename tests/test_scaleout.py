@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from specinfer.generate import Request
+from specinfer.lookup import CHAIN_TOKENS
 from specinfer_rpc.client import generate_all
 from specinfer_rpc.launch import System
 
@@ -117,7 +118,8 @@ def test_two_managers_share_one_verifier_with_the_same_request_ids_and_one_gatew
     gateway in front of both by one DNS name with both addresses (a headless Service: the same
     port on 127.0.0.1 and 127.0.0.2) spreads its requests over both, round robin."""
     prompts, new = heldout_ids[:4], 64
-    need = max(-(-(len(p) + new) // 16) * 16 for p in prompts)
+    # a request's prompt, output and the draft chain of the managers' context lookup (their only drafter)
+    need = max(-(-(len(p) + new + CHAIN_TOKENS) // 16) * 16 for p in prompts)
     system, dns = System(), DNSServer()
     try:
         verifier = system.start("verifier", "verifier_svc", ["--model", str(MODELS / "llm"), "--port", "0",
