@@ -51,6 +51,16 @@ def default_llm_file() -> Path:
     raise FileNotFoundError(f"the default LLM {DEFAULT_LLM} is not installed: run `{DEFAULT_LLM_INSTALL}`")
 
 
+def is_default_llm(ref: str | Path) -> bool:
+    """Whether a checkpoint reference names the default LLM: by its name, or its package's GGUF file."""
+    if str(ref) == DEFAULT_LLM:
+        return True
+    try:
+        return Path(ref).resolve() == default_llm_file().resolve()
+    except FileNotFoundError:  # the package is not installed: the reference names another file
+        return False
+
+
 def default_ssms() -> list[Path]:
     """The drafters trained for the default LLM (models/smollm2/ssm-*, scripts/train_models.py)."""
     return sorted(p for p in (models_dir() / "smollm2").glob("ssm-*") if (p / "config.json").exists())

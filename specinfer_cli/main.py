@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_heldout, default_prompts, default_requests,
-                                   default_ssms, same_tokenizer, served_heads, served_ssms)
+                                   default_ssms, is_default_llm, same_tokenizer, served_heads, served_ssms)
 from specinfer.devices import DTYPES, resolve_dtype
 from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
@@ -223,7 +223,7 @@ def drafter_dirs(named: list[Path] | None, none: bool, llm, defaults) -> list[Pa
         return []
     if named is not None:
         return named
-    return defaults() if str(llm) == DEFAULT_LLM else []
+    return defaults() if is_default_llm(llm) else []
 
 
 def cmd_serve(args) -> int:
@@ -232,6 +232,9 @@ def cmd_serve(args) -> int:
     ssms = drafter_dirs(args.ssm, args.no_ssm, args.llm, served_ssms)
     heads = drafter_dirs(args.head, args.no_head, args.llm, served_heads)
     try:
+        if args.speculators and not ssms:
+            raise ValueError(f"--speculators {args.speculators}: speculator processes host an SSM, and none is "
+                             "served (--ssm names one)")
         checkpoint_dir(args.llm)  # converted once here, before the services start; a missing package: one line
         for d in ssms:
             same_tokenizer(args.llm, d)
@@ -317,7 +320,7 @@ def cmd_loadtest(args) -> int:
 def cmd_train_head(args) -> int:
     from specinfer.head_training import HeadRun, score_head, train_head
 
-    heldout = args.heldout if args.heldout is not None else default_heldout() if args.llm == DEFAULT_LLM else []
+    heldout = args.heldout if args.heldout is not None else default_heldout() if is_default_llm(args.llm) else []
     try:
         if args.score_only:
             report = score_head(args.llm, args.out, heldout, args.device, args.score_tokens)

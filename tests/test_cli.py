@@ -174,16 +174,20 @@ def test_serve_stopped_while_starting_stops_the_services_it_already_started():
 
 
 def test_the_default_llms_drafters_serve_unless_told_otherwise_and_another_llm_gets_only_those_named():
-    from specinfer.checkpoints import DEFAULT_LLM, served_heads, served_ssms
+    from specinfer.checkpoints import DEFAULT_LLM, default_llm_file, served_heads, served_ssms
     from specinfer_cli.main import drafter_dirs
 
     (head,), (ssm,) = served_heads(), served_ssms()
     assert (head / "config.json").is_file() and (ssm / "config.json").is_file()
     for defaults, own in ((served_heads, head), (served_ssms, ssm)):
         assert drafter_dirs(None, False, DEFAULT_LLM, defaults) == [own]
+        assert drafter_dirs(None, False, str(default_llm_file()), defaults) == [own]  # its GGUF file by path
         assert drafter_dirs(None, True, DEFAULT_LLM, defaults) == []  # --no-head, --no-ssm
         assert drafter_dirs(None, False, str(MODELS / "llm"), defaults) == []  # not the default LLM's
         assert drafter_dirs([MODELS / "d"], False, str(MODELS / "llm"), defaults) == [MODELS / "d"]
+    nothing = subprocess.run([sys.executable, "-m", "specinfer_cli", "serve", "--llm", str(MODELS / "llm"),
+                              "--speculators", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert nothing.returncode == 2 and "--speculators 2: speculator processes host an SSM" in nothing.stderr
 
 
 def test_serve_of_an_llm_without_drafters_speculates_with_context_lookup_alone(tmp_path, heldout_prompts):
