@@ -62,7 +62,7 @@ def gw(tmp_path_factory):
                                ["--port", "0", "--metrics-port", "0", "--verifier", verifier, "--speculators", specs, "--auth-token", "sesame",
                                 "--kv-cache-share=0.5", "--max-batch=1", "--max-queue=1", "--tokenizer", str(MODELS / "llm")], 120)
         strict.start("gateway-strict", "gateway_svc", ["--port", "0", "--manager", manager.address, "--tokenizer",
-                                                       str(chat_tok), "--request-timeout", "5"], 120, http="http")
+                                                       str(chat_tok), "--request-timeout", "20"], 120, http="http")
         dead_port = free_port()
         dead = subprocess.Popen([sys.executable, "-m", "gateway_svc", "--port", "0", "--manager",
                                  f"127.0.0.1:{dead_port}", "--tokenizer", str(MODELS / "llm")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -331,7 +331,7 @@ def test_unknown_routes_and_wrong_methods_get_openais_error_shape(gw):
 
 
 def test_a_full_queue_gets_429_and_a_slow_request_504(gw):
-    """The strict manager runs one request and queues one; its gateway gives a request 5 s. The
+    """The strict manager runs one request and queues one; its gateway gives a request 20 s. The
     verifier is paused (SIGSTOP) once the first request runs, so the queued one cannot finish in
     time on any machine."""
     c = client(gw["strict"], "sesame")
