@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from .gguf_checkpoint import GGUFError, cache_root, cached_dir, converted, find_gguf, sha256
@@ -85,6 +86,19 @@ def default_heldout() -> list[Path]:
 def default_requests() -> Path:
     """The request set heads are trained on (specinfer.head_requests)."""
     return models_dir() / "requests" / "train.jsonl"
+
+
+def drafter_dirs(named: list[Path] | None, none: bool, llm: str | Path,
+                 defaults: Callable[[], list[Path]]) -> list[Path]:
+    """Drafter checkpoints (SSMs or feature drafters) for `llm`, as the CLI and the benchmarks pick
+    them: none (--no-ssm, --no-head), those named, or on the default LLM its own (`defaults()`); on
+    another LLM none unless named, since the default LLM's drafters do not share its tokenizer
+    (context lookup then drafts alone)."""
+    if none:
+        return []
+    if named is not None:
+        return named
+    return defaults() if is_default_llm(llm) else []
 
 
 def served_ssms() -> list[Path]:

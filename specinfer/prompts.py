@@ -27,7 +27,8 @@ def prompt_text(tokenizer, record: dict) -> str:
     """A record as the text the LLM sees (a chat request through the chat template)."""
     if "messages" in record:
         if not tokenizer.chat_template:
-            raise ValueError(f"{record['id']}: a chat request, and the LLM's tokenizer has no chat template")
+            where = f"{record['id']}: " if "id" in record else ""  # a file's records have one, a caller's may not
+            raise ValueError(f"{where}a chat request, and the LLM's tokenizer has no chat template")
         return tokenizer.apply_chat_template(record["messages"], add_generation_prompt=True, tokenize=False)
     return record["prompt"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, default_prompts, default_ssms
+from specinfer.checkpoints import DEFAULT_LLM, default_prompts, default_ssms, drafter_dirs
 from specinfer.devices import DTYPES, resolve_device
 from specinfer.generate import Engine, Mode, Request
 from specinfer.graphs import GraphConfig
@@ -41,7 +41,7 @@ def compare(plain: list[int], spec: list[int]) -> tuple[float, int | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", default=DEFAULT_LLM)
-    ap.add_argument("--ssm", type=Path, action="append", default=None, help="repeatable (default: the default drafters)")
+    ap.add_argument("--ssm", type=Path, action="append", default=None, help="repeatable (default: the default LLM's drafters; none on another LLM: context lookup drafts alone)")
     ap.add_argument("--prompt-file", type=Path, default=default_prompts())
     ap.add_argument("--prompts", type=int, default=8, help="first N prompts of the file")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
-    ssm_dirs = args.ssm or default_ssms()
+    ssm_dirs = drafter_dirs(args.ssm, False, args.llm, default_ssms)
     prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file)[: args.prompts])
     requests = [Request(p, args.max_new_tokens) for p in prompts]
     rows = []
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         ssms = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssm_dirs]
         outputs = {}
         for mode in (Mode.INCREMENTAL, Mode.MERGED):
-            engine = Engine(llm, ssms, mode, graphs=GraphConfig(), adaptive=mode != Mode.INCREMENTAL)
+            engine = Engine(llm, ssms, mode, graphs=GraphConfig(), adaptive=mode != Mode.INCREMENTAL, lookup=not ssms)
             outputs[mode] = [g.token_ids for g in engine.generate(requests)]
         for i, (plain, spec) in enumerate(zip(outputs[Mode.INCREMENTAL], outputs[Mode.MERGED])):
             share, first = compare(plain, spec)
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
         lines = [f"`{meta['command']}` on {meta['machine']}, device {device}", "",
-                 "Greedy output of merged-SSM speculation (the controller's trees) against the same engine "
+                 f"Greedy output of {'merged-SSM speculation' if ssm_dirs else 'context lookup alone, no SSM,'} "
+                 "(the controller's trees) against the same engine "
                  f"without speculation, {args.max_new_tokens} new tokens per prompt.", "",
                  "| dtype | prompts identical | identical tokens (mean share) |", "| --- | --- | --- |"]
         lines += [f"| {k} | {v['identical_prompts']} / {v['prompts']} | {v['identical_share']:.1%} |"

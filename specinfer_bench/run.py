@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.checkpoints import default_ssms, served_ssms
+from specinfer.checkpoints import default_ssms, drafter_dirs, served_ssms
 from specinfer.devices import resolve_device
 from specinfer.generate import Mode
 from specinfer.lookup import CHAIN_TOKENS
@@ -50,9 +50,10 @@ def search_tree(llm_dir: Path, ssm_dir: Path, prompts: list[list[int]], continua
 
 def main(args) -> int:
     llm_dir = args.llm
-    ssm_dirs = args.ssm or default_ssms()
+    ssm_dirs = drafter_dirs(args.ssm, False, llm_dir, default_ssms)
     if not ssm_dirs:
-        sys.exit("specinfer bench: no SSM: give --ssm (the default LLM's drafters are trained by scripts/train_models.py)")
+        sys.exit("specinfer bench: no SSM: give --ssm (transformers' assisted generation and the tree configs draft "
+                 "with one; the default LLM's, trained by scripts/train_models.py, serve only it)")
     n_prompts = args.prompts or (4 if args.quick else 16)
     max_new = args.max_new_tokens or (32 if args.quick else 64)
     levels = [int(c) for c in (args.concurrency or ("1,4" if args.quick else "1,4,16,32")).split(",")]
@@ -121,7 +122,7 @@ def main(args) -> int:
         default = default_config(resolve_device("auto").type)  # where the services put the verifier
         svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
-        services_rows = measure(llm_dir, args.ssm or served_ssms(), prompts, short, svc_configs, levels,
+        services_rows = measure(llm_dir, drafter_dirs(args.ssm, False, llm_dir, served_ssms), prompts, short, svc_configs, levels,
                                 requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
     for r in single:
         if (r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]

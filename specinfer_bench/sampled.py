@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, default_prompts, drafter_dirs, served_ssms
 from specinfer.generate import Mode
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
@@ -62,7 +62,7 @@ def in_process(llm_ref, ssm_dir: Path, prompts: list[list[int]], expansion: list
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llm", default=DEFAULT_LLM, help="LLM checkpoint (default: %(default)s)")
-    p.add_argument("--ssm", type=Path, default=None, help="SSM checkpoint (default: the served one)")
+    p.add_argument("--ssm", type=Path, default=None, help="SSM checkpoint (default: the served one of the default LLM)")
     p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
     p.add_argument("--prompts", type=int, default=8, help="held-out prompts in process (the services use all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -74,7 +74,9 @@ def main() -> None:
     p.add_argument("--no-services", action="store_true")
     p.add_argument("--out", type=Path, default=Path("bench/results/sampled_cpu"))
     args = p.parse_args()
-    ssm = args.ssm or served_ssms()[0]
+    ssm = next(iter(drafter_dirs(None if args.ssm is None else [args.ssm], False, args.llm, served_ssms)), None)
+    if ssm is None:
+        p.error("--ssm: name the SSM to sample with (the default LLM's serves only it)")
     prompts = inprocess.load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
     expansion = [int(k) for k in args.expansion.split(",")]
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.sampled", None),

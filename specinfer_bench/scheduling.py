@@ -1,6 +1,7 @@
 """Memory and scheduling through the real services on the default LLM, as `specinfer serve` runs it
 (the verifier with the head's feature layers, SSM 0's speculator and the head's, the manager with
-its defaults), one scenario at a time, each setting side by side in the same run:
+its defaults; `--llm` another: context lookup alone), one scenario at a time, each setting side by
+side in the same run:
 
 - multiturn: one chat of 8 turns, the conversation sent again each turn, the prefix cache on and
   off: per turn the prompt, the tokens the cache held, the rows prefilled, the time to first token;
@@ -32,12 +33,12 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir, default_prompts, served_heads, served_ssms
-from specinfer.eagle import head_layers
+from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_prompts, drafter_dirs, served_heads,
+                                   served_ssms)
 from specinfer.generate import Request
 from specinfer.prompts import prompt_ids, read_prompt_file
 from specinfer_rpc.client import connect, generate, request_pb
-from specinfer_rpc.launch import System
+from specinfer_rpc.launch import System, start_backends
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
 from .report import command_line, machine
@@ -48,10 +49,12 @@ CAPACITY = GENERAL.with_name("capacity_prompts.jsonl")
 
 
 class Bench:
-    """Starts the default LLM's services (from this tree or `source`) with extra flags, one system at a time."""
+    """Starts an LLM's services as `specinfer serve` does (the default LLM with its SSM 0 and head,
+    another with context lookup alone), from this tree or `source`, with extra flags, one system at a time."""
 
     def __init__(self, llm: str, logs: Path):
         self.llm, self.logs = llm, logs
+        self.ssms, self.heads = drafter_dirs(None, False, llm, served_ssms), drafter_dirs(None, False, llm, served_heads)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(llm))
@@ -59,15 +62,9 @@ class Bench:
     def start(self, tag: str, verifier_args: list[str] = (), manager_args: list[str] = (),
               source: Path | None = None, speculator_args: list[str] = ()) -> System:
         system = System(log_dir=self.logs / tag)
-        head = served_heads()[0]
-        layers = ",".join(map(str, head_layers(head, self.llm)))
-        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", self.llm,
-                                                             f"--feature-layers={layers}", *verifier_args], 300, source=source)
-        specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
-                                                                 "--threads", "1", *speculator_args], 300, source=source),
-                 system.start("speculator-head", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(head),
-                                                                    "--llm", self.llm, "--threads", "1", *speculator_args],
-                                   300, source=source)]
+        verifier, specs = start_backends(system, self.llm, self.ssms, len(self.ssms), self.heads,
+                                         verifier_args=verifier_args, speculator_args=speculator_args, timeout=300,
+                                         source=source)
         system.start("manager", "manager_svc", ["--port", "0", "--verifier", verifier.address, "--tokenizer", self.llm,
                                                 "--speculators", ",".join(s.address for s in specs), *manager_args],
                      300, source=source)

@@ -1,6 +1,7 @@
 """Throughput through the real services: speculation settings side by side at several concurrencies.
 
-Starts the verifier and one speculator per SSM once, then one manager per (setting, concurrency),
+Starts the verifier and one speculator per SSM once (none where every setting is 'off' or @alone; on an
+LLM other than the default, only the --ssm named), then one manager per (setting, concurrency),
 checks greedy outputs, and drives bounded streaming loads in interleaved rounds, every other
 round in reverse order. Each round's load takes the prompt file's next prompts (a run at one stream
 takes only two, so every round taking the first ones measured two prompts), the same for every
@@ -47,16 +48,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from manager_svc.__main__ import ManagerConfig
-from specinfer.checkpoints import DEFAULT_LLM, default_prompts, served_ssms
+from specinfer.checkpoints import DEFAULT_LLM, default_prompts, drafter_dirs, served_ssms
 from specinfer.devices import resolve_device, resolve_dtype
-from specinfer.eagle import head_layers
 from specinfer.engine import SPLIT_PARTS, Stats, default_tree_budget, split
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 from specinfer.generate import Engine, Mode, Request
 from specinfer.sampling import SamplingParams
 from specinfer_rpc.client import generate_all
-from specinfer_rpc.launch import System
+from specinfer_rpc.launch import System, start_backends
 from specinfer_rpc.load import run_load
 
 from .divergence import compare
@@ -100,22 +100,40 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     if "alone" in options and ({"head", "nolookup"} & set(options)):
         raise ValueError(f"--configs {config!r}: @alone is context lookup without speculators")
     speculators = [] if "alone" in options else [*speculators, *heads] if "head" in options else speculators
+    if not speculators and "alone" not in options:
+        raise ValueError(f"--configs {config!r}: no speculator to draft with (--ssm names an SSM, the default LLM's "
+                         "serves unless told otherwise; @head drafts with --head; @alone with context lookup alone)")
     return flags + ["--speculators", ",".join(speculators), "--expansion", expansion, "--tree-budget", budget,
                     "--no-adaptive" if "static" in options else "--adaptive",
                     "--no-context-lookup" if "nolookup" in options else "--context-lookup"]
 
 
-def engine_settings(config: str, ssms: int, device: str) -> dict:
-    """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static or
-    @nolookup (the others name what only the services do); several SSMs merge their trees, as the manager does;
-    a budget of 0 is the manager's default for a verifier on `device`."""
+def check_configs(configs: list[str], ssms: int, heads: int) -> None:
+    """Refuse a config that the speculators given cannot run (manager_flags' checks), before any service starts."""
+    for config in configs:
+        manager_flags(config, "", [""] * ssms, [""] * heads)
+
+
+def uses_ssms(config: str) -> bool:
+    """Whether a config's manager drafts with the SSMs' speculators (not 'off', not @alone)."""
+    name, *options = config.split("@")
+    return name != "off" and "alone" not in options
+
+
+def engine_settings(config: str, ssms: list, device: str) -> dict:
+    """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static,
+    @nolookup or @alone (the others name what only the services do); several SSMs merge their trees, as the
+    manager does, and @alone drafts with none of them; a budget of 0 is the manager's default for a verifier on
+    `device`."""
     name, *options = config.split("@")
     budget = None if name == "off" else options.pop(0)
-    if unknown := set(options) - {"static", "nolookup"}:
+    if unknown := set(options) - {"static", "nolookup", "alone"}:
         raise ValueError(f"--in-process: {config!r}: option(s) {sorted(unknown)} run only through the services")
     if name == "off":
-        return {"mode": Mode.INCREMENTAL}
-    return {"mode": Mode.MERGED if ssms > 1 else Mode.TREE, "expansion": [int(k) for k in name.split(",")],
+        return {"ssms": [], "mode": Mode.INCREMENTAL}
+    ssms = [] if "alone" in options else ssms
+    return {"ssms": ssms, "mode": Mode.MERGED if len(ssms) > 1 else Mode.TREE,
+            "expansion": [int(k) for k in name.split(",")],
             "tree_budget": default_tree_budget(device, int(budget)), "adaptive": "static" not in options,
             "lookup": "nolookup" not in options}
 
@@ -151,7 +169,7 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
     reference, rows = [], []
     for config in sorted((c for c in configs if not {"sequential", "ahead"} & set(c.split("@")[1:])),
                          key=lambda c: c != "off"):
-        engine = Engine(llm, ssms, **engine_settings(config, len(ssms), llm.device.type))
+        engine = Engine(llm, **engine_settings(config, ssms, llm.device.type))
         outs = [g.token_ids for g in engine.generate([Request(q, CHECK_TOKENS) for q in prompts[:CHECK_PROMPTS]])]
         reference = reference or outs
         share = identical_share(f"in process {config}", outs, reference, exact)
@@ -221,26 +239,19 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
     (0: greedy), seeded. `heads`: feature drafters, each in a speculator of its own, drafting for
     the @head configs (the verifier then keeps their layers' features for every config). The services run
     their models in `dtype` and log to `log_dir` (default: a temporary directory)."""
+    check_configs(configs, len(ssms), len(heads))
+    ssms = ssms if any(uses_ssms(c) for c in configs) else []  # 'off' and @alone alone: no SSM's speculator
     logs = log_dir or Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
     timed: dict[tuple[str, int], dict[str, float]] = {}  # each manager's engine counters over its timed runs
     managers, shares = {}, {}
     try:
-        layers = sorted({head_layers(h, llm) for h in heads})
-        if len(layers) > 1:
-            raise ValueError(f"--head: the heads read different layers of the LLM ({layers})")
-        features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
         start = time.perf_counter()
-        verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--metrics-port", "0", "--model", str(llm),
-                                                             "--dtype", dtype, *features], 120)
-        specs = [system.start(f"speculator-{i}", "speculator_svc",
-                              ["--port", "0", "--ssm", str(d), "--threads", "1", "--dtype", dtype], 120)
-                 for i, d in enumerate(ssms)]
-        head_specs = [system.start(f"speculator-head-{i}", "speculator_svc",
-                                   ["--port", "0", "--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1",
-                                    "--dtype", dtype], 120)
-                      for i, h in enumerate(heads)]
+        verifier, specs = start_backends(system, llm, ssms, len(ssms), heads,
+                                         ["--port", "0", "--dtype", dtype, "--metrics-port", "0"])
+        head_specs = specs[len(ssms):]
+        specs = specs[:len(ssms)]
         print(f"services: the verifier and {len(specs) + len(head_specs)} speculators serving after "
               f"{time.perf_counter() - start:.0f} s", flush=True)
         for config in configs:
@@ -302,7 +313,8 @@ def main() -> None:
                         "lookup alone, no speculators; see manager_flags)")
     p.add_argument("--llm", default=DEFAULT_LLM,
                    help="LLM checkpoint (default: %(default)s; e.g. a directory made by specinfer_bench.inflate)")
-    p.add_argument("--ssm", type=Path, action="append", default=None, help="SSM checkpoints (default: the served one)")
+    p.add_argument("--ssm", type=Path, action="append", default=None,
+                   help="SSM checkpoints (default: the served one on the default LLM, none on another)")
     p.add_argument("--head", type=Path, action="append", default=[],
                    help="feature drafters (EAGLE-3 heads), each a speculator of its own, drafting for the @head configs")
     p.add_argument("--prompt-file", type=Path, default=default_prompts(), help="JSONL prompts ('prompt' or 'messages')")
@@ -319,7 +331,11 @@ def main() -> None:
     exact = dtype in (torch.float32, torch.float64)
     prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
     configs = [default_config(device.type) if c == "default" else c for c in args.configs.split(";")]
-    levels, ssms = [int(c) for c in args.concurrency.split(",")], args.ssm or served_ssms()
+    levels, ssms = [int(c) for c in args.concurrency.split(",")], drafter_dirs(args.ssm, False, args.llm, served_ssms)
+    try:
+        check_configs(configs, len(ssms), len(args.head))
+    except ValueError as e:
+        p.error(str(e))
     result = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None),
               "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(device.type),
               "max_new_tokens": args.max_new_tokens, "requests_per_stream": args.requests_per_stream,
@@ -329,7 +345,8 @@ def main() -> None:
     start = time.perf_counter()
     llm = LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device)
     if args.in_process:
-        drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssms]
+        drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device)
+                    for d in (ssms if any(uses_ssms(c) for c in configs) else [])]
         loaded = time.perf_counter()
         reference, result["in_process"] = in_process(llm, drafters, prompts, configs, levels, args.requests_per_stream,
                                                      args.max_new_tokens, args.temperature, exact)

@@ -45,9 +45,8 @@ import jsonschema
 import openai
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, served_heads, served_ssms
-from specinfer.eagle import head_layers
-from specinfer_rpc.launch import System
+from specinfer.checkpoints import DEFAULT_LLM, drafter_dirs, served_heads, served_ssms
+from specinfer_rpc.launch import System, start_backends
 
 from .report import command_line, machine
 from .services import manager_stats
@@ -147,16 +146,12 @@ def noisy_neighbour(on: bool):
 
 
 def start_gateways(system: System, llm: str, keys: list) -> tuple[dict, dict]:
-    """The services as `specinfer serve` runs them on the default LLM (the verifier with the head's
-    feature layers, SSM 0's speculator and the head's), then a manager and its gateway for each of
-    `keys` (a manager's controller learns from its own requests only): (managers, gateways) by key."""
-    heads = served_heads()
-    layers = ",".join(map(str, head_layers(heads[0], llm)))
-    verifier = system.start("verifier", "verifier_svc", ["--port", "0", "--model", llm, f"--feature-layers={layers}"], 120)
-    specs = [system.start("speculator-0", "speculator_svc", ["--port", "0", "--ssm", str(served_ssms()[0]),
-                                                             "--threads", "1"], 120),
-             system.start("speculator-head-0", "speculator_svc", ["--port", "0", "--ssm=", "--head", str(heads[0]),
-                                                                  "--llm", llm, "--threads", "1"], 120)]
+    """The services as `specinfer serve` runs them (on the default LLM the verifier with the head's
+    feature layers, SSM 0's speculator and the head's; on another, context lookup alone), then a
+    manager and its gateway for each of `keys` (a manager's controller learns from its own requests
+    only): (managers, gateways) by key."""
+    ssms = drafter_dirs(None, False, llm, served_ssms)
+    verifier, specs = start_backends(system, llm, ssms, len(ssms), drafter_dirs(None, False, llm, served_heads))
     managers, gateways = {}, {}
     for key in keys:
         name = "-".join(map(str, key)) if isinstance(key, tuple) else str(key)

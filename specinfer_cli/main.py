@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from specinfer.checkpoints import (DEFAULT_LLM, checkpoint_dir, default_heldout, default_prompts, default_requests,
-                                   default_ssms, is_default_llm, same_tokenizer, served_heads, served_ssms)
+                                   default_ssms, drafter_dirs, is_default_llm, same_tokenizer, served_heads,
+                                   served_ssms)
 from specinfer.devices import DTYPES, resolve_dtype
 from specinfer.eagle import EagleHead, head_layers
 from specinfer.generate import Engine, Generation, Mode, Request
@@ -213,17 +214,6 @@ def cmd_bench(args) -> int:
     from specinfer_bench.run import main as bench_main
 
     return bench_main(args)
-
-
-def drafter_dirs(named: list[Path] | None, none: bool, llm, defaults) -> list[Path]:
-    """Drafter checkpoints (SSMs or feature drafters): none (--no-ssm, --no-head), those named, or on
-    the default LLM its own (`defaults()`); on another LLM none unless named, since the default LLM's
-    drafters do not share its tokenizer (context lookup then drafts alone)."""
-    if none:
-        return []
-    if named is not None:
-        return named
-    return defaults() if is_default_llm(llm) else []
 
 
 def cmd_serve(args) -> int:

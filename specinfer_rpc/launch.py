@@ -147,30 +147,42 @@ def wait_healthy(what: str, serving, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def start_backends(system: System, llm: str | Path, ssms: list[Path], speculators: int, heads: list[Path] = (),
+                   common: list[str] = ("--port", "0"), verifier_args: list[str] = (), speculator_args: list[str] = (),
+                   timeout: float = 120.0, source: Path | None = None) -> tuple[Service, list[Service]]:
+    """The verifier and the speculators a manager is pointed at: speculator i hosts ssms[i % len(ssms)]
+    (none without SSMs), then one speculator per feature drafter in `heads` (the verifier then returns
+    the features they read). `common` goes to each of them, every service runs from `source` (default
+    this tree)."""
+    layers = sorted({head_layers(h, llm) for h in heads})
+    if len(layers) > 1:
+        raise ValueError(f"heads: they read different layers of the LLM ({layers})")
+    features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
+    verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *features, *verifier_args],
+                            timeout, source=source)
+    specs = [system.start(f"speculator-{i}", "speculator_svc",
+                          ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common, *speculator_args], timeout,
+                          source=source)
+             for i in range(speculators if ssms else 0)]
+    specs += [system.start(f"speculator-head-{i}", "speculator_svc",
+                           ["--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1", *common, *speculator_args],
+                           timeout, source=source)
+              for i, h in enumerate(heads)]
+    return verifier, specs
+
+
 def launch(llm: Path, ssms: list[Path], speculators: int, host: str = "127.0.0.1", port: int = 50051,
            dtype: str = "auto", manager_args: list[str] = (), verifier_args: list[str] = (),
            timeout: float = 120.0, log_dir: Path | None = None, service_args: list[str] = (),
            credentials: grpc.ChannelCredentials | None = None, http_port: int | None = None,
            ssl_context: ssl.SSLContext | None = None, heads: list[Path] = ()) -> System:
-    """Start the whole system; speculator i hosts ssms[i % len(ssms)], then one speculator per
-    feature drafter in `heads` (the verifier then returns the features they read); with
-    `http_port`, the HTTP gateway in front of the manager too. `service_args` go to every service
-    (e.g. TLS flags; then `credentials` and `ssl_context` are what the health checks connect with)."""
+    """Start the whole system: the verifier and the speculators (`start_backends`), the manager and,
+    with `http_port`, the HTTP gateway in front of it. `service_args` go to every service (e.g. TLS
+    flags; then `credentials` and `ssl_context` are what the health checks connect with)."""
     system = System(log_dir=log_dir, credentials=credentials, ssl_context=ssl_context)
     try:
         common = ["--host", host, "--port", "0", "--dtype", dtype, "--metrics-port", "0", *service_args]
-        layers = sorted({head_layers(h, llm) for h in heads})
-        if len(layers) > 1:
-            raise ValueError(f"heads: they read different layers of the LLM ({layers})")
-        features = [f"--feature-layers={','.join(map(str, layers[0]))}"] if layers else []
-        verifier = system.start("verifier", "verifier_svc", ["--model", str(llm), *common, *features, *verifier_args],
-                                timeout)
-        specs = [system.start(f"speculator-{i}", "speculator_svc",
-                              ["--ssm", str(ssms[i % len(ssms)]), "--threads", "1", *common], timeout)
-                 for i in range(speculators if ssms else 0)]
-        specs += [system.start(f"speculator-head-{i}", "speculator_svc",
-                               ["--ssm=", "--head", str(h), "--llm", str(llm), "--threads", "1", *common], timeout)
-                  for i, h in enumerate(heads)]
+        verifier, specs = start_backends(system, llm, ssms, speculators, heads, common, verifier_args, timeout=timeout)
         system.start("manager", "manager_svc",
                      ["--host", host, "--port", str(port), "--metrics-port", "0", *service_args,
                       "--verifier", verifier.address, "--tokenizer", str(llm),

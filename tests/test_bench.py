@@ -256,22 +256,60 @@ def test_services_configs_name_their_options_and_refuse_unknown_ones():
         manager_flags("2,1,1@16@fast", "v:1", ["s:2"])
 
 
+def test_services_configs_that_draft_with_speculators_need_some_and_the_others_start_none():
+    from specinfer_bench.services import check_configs, manager_flags, uses_ssms
+
+    with pytest.raises(ValueError, match="no speculator to draft with"):  # another LLM, no --ssm named
+        manager_flags("2,1,1@16", "v:1", [])
+    head = manager_flags("2,1,1@16@head", "v:1", [], ["h:3"])  # an LLM with a head of its own and no SSM
+    assert head[head.index("--speculators") + 1] == "h:3"
+    check_configs(["off", "2,1,1@16@alone"], 0, 0)  # before any service starts
+    with pytest.raises(ValueError, match="'2,1,1@16@static'"):
+        check_configs(["off", "2,1,1@16@static"], 0, 0)
+    assert [uses_ssms(c) for c in ("off", "off@sequential", "2,1,1@16@alone", "2,1,1@16", "2,1,1@16@head")] == \
+        [False, False, False, True, True]
+
+
+def test_services_bench_of_another_llm_drafts_with_lookup_alone_and_starts_no_speculator(tmp_path):
+    """No SSM named on an LLM other than the default: 'off' and @alone run, in process and through the
+    services, with no speculator process (the default LLM's SSM does not share its tokenizer), outputs
+    checked against the LLM's greedy decoding; a setting that needs an SSM is refused before anything starts."""
+    common = [sys.executable, "-m", "specinfer_bench.services", "--llm", str(MODELS / "llm"),
+              "--prompt-file", str(MODELS / "heldout_prompts.jsonl"), "--concurrency", "1",
+              "--requests-per-stream", "1", "--rounds", "1", "--max-new-tokens", "8"]
+    refused = subprocess.run([*common, "--configs", "off;2,1,1@16"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and "'2,1,1@16': no speculator to draft with" in refused.stderr
+    out, logs = tmp_path / "services", tmp_path / "logs"
+    proc = subprocess.run([*common, "--configs", "off;2,1,1@16@alone", "--in-process", "--log-dir", str(logs),
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.stem for p in logs.glob("*.log")) == ["manager-0", "manager-1", "verifier"]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert {(r["config"], r["identical_share"]) for r in result["rows"]} == {("off", 1.0), ("2,1,1@16@alone", 1.0)}
+    alone = next(r for r in result["in_process"] if r["config"] == "2,1,1@16@alone")
+    assert alone["identical_share"] == 1.0 and alone["tokens"] == 8
+
+
 def test_in_process_settings_are_the_managers_and_refuse_what_only_the_services_do():
     from specinfer.generate import Mode
     from specinfer_bench.services import engine_settings, identical_share
 
     from specinfer.engine import default_tree_budget
 
-    assert engine_settings("off", 2, "cpu") == {"mode": Mode.INCREMENTAL}
-    assert engine_settings("2,1,1@16", 2, "cpu") == {"mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16,
-                                                     "adaptive": True, "lookup": True}
-    one = engine_settings("1,1@8@static@nolookup", 1, "cpu")
+    ssms = ["ssm-0", "ssm-1"]  # the engine takes them as they are
+    assert engine_settings("off", ssms, "cpu") == {"ssms": [], "mode": Mode.INCREMENTAL}
+    assert engine_settings("2,1,1@16", ssms, "cpu") == {
+        "ssms": ssms, "mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16, "adaptive": True, "lookup": True}
+    one = engine_settings("1,1@8@static@nolookup", ssms[:1], "cpu")
     assert one["mode"] == Mode.TREE and not one["adaptive"] and not one["lookup"]
+    alone = engine_settings("2,1,1@16@alone", ssms, "cpu")  # context lookup without the SSMs, as the manager's
+    assert alone["ssms"] == [] and alone["mode"] == Mode.TREE and alone["lookup"] and alone["adaptive"]
     for device in ("cpu", "cuda"):  # budget 0: the manager's default for the verifier's device, as --tree-budget 0
-        assert engine_settings("2,1,1@0", 2, device)["tree_budget"] == default_tree_budget(device)
+        assert engine_settings("2,1,1@0", ssms, device)["tree_budget"] == default_tree_budget(device)
     for config in ("off@logprobs", "2,1,1@16@mss"):
         with pytest.raises(ValueError, match="only through the services"):
-            engine_settings(config, 2, "cpu")
+            engine_settings(config, ssms, "cpu")
     reference = [[1, 2, 3, 4], [5, 6]]
     assert identical_share("x", reference, reference, exact=True) == 1.0
     assert identical_share("x", [[1, 2, 9, 9], [5, 6]], reference, exact=False) == 0.75

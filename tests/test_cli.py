@@ -72,6 +72,18 @@ def test_generate_json_prints_one_object_per_prompt_with_the_llm_greedy_tokens(t
         assert r["steps"] >= 1 and r["tokens_per_step"] == round(len(want) / r["steps"], 4)
 
 
+def test_a_chat_request_for_an_llm_without_a_chat_template_is_refused_naming_the_request():
+    from specinfer.prompts import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(MODELS / "llm")  # the fixture LLM's: no chat template
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"^c7: a chat request, and the LLM's tokenizer has no chat template"):
+        prompt_ids(tok, {"id": "c7", "messages": chat})  # a prompt file's record
+    with pytest.raises(ValueError, match=r"^a chat request, and the LLM's tokenizer has no chat template"):
+        prompt_ids(tok, {"messages": chat})  # a caller's (a benchmark's chat turns)
+    assert prompt_ids(tok, {"prompt": "def f():"}) == tok("def f():")["input_ids"]
+
+
 def test_sampling_flags_are_seeded_and_bad_values_are_refused():
     args = ["--prompt", "def main():\n", "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--json"]
     a, b = run_cli(*args, "--seed", "5"), run_cli(*args, "--seed", "5")
@@ -174,8 +186,7 @@ def test_serve_stopped_while_starting_stops_the_services_it_already_started():
 
 
 def test_the_default_llms_drafters_serve_unless_told_otherwise_and_another_llm_gets_only_those_named():
-    from specinfer.checkpoints import DEFAULT_LLM, default_llm_file, served_heads, served_ssms
-    from specinfer_cli.main import drafter_dirs
+    from specinfer.checkpoints import DEFAULT_LLM, default_llm_file, drafter_dirs, served_heads, served_ssms
 
     (head,), (ssm,) = served_heads(), served_ssms()
     assert (head / "config.json").is_file() and (ssm / "config.json").is_file()
