@@ -16,6 +16,7 @@ One iteration over a batch of running requests:
      grammar forbids;
   3. verify: one batched step; a new request's prompt rides in the same step as the others' trees;
      a constrained request's rows are masked to what its grammar allows there;
+     with the controller, a request's prompt step itself is not drafted for (FIRST_TOKEN_FIRST);
   4. commit: append each request's accepted tokens up to EOS, a stop token or max_new_tokens.
 
 A step sent ahead: where every request of a step decodes plainly and so will the next (speculation
@@ -53,6 +54,12 @@ from .prediction import PREDICTION_TOKENS, START_TOKENS, Prediction
 from .sampling import SamplingParams
 from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size
 
+# Why a request on the server's trees has none at its prompt's step, with the controller: its first token
+# comes as soon as without speculation, as in vLLM and SGLang. Drafting there put the SSMs' prefill of the
+# prompt and the tree's rows before the first token: through the services on a CPU, TTFT p50 with SSM 0 and
+# the head 100 ms drafted, 71 ms undrafted, 76 ms off at one stream (320 / 247 / 240 ms at four), at the same
+# tok/s or more (bench/results/services_first_token_ab_cpu.md). A feature drafter still gets the prompt's features.
+FIRST_TOKEN_FIRST = "the prompt's step: its first token comes first"
 MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
 PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager's, for the verifier; the speculators')
 # the server's tree nodes per iteration unless set, by the kind of device the verifier runs on. On a CPU a
@@ -835,15 +842,20 @@ class SpeculativeEngine:
             dict[str, tuple[list[int], int]], tuple[int, int, set[str], float]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), the
         trees it merged by drafter number (context lookup's: the number after the drafters'), the
-        expansion config each drafted request was planned, with context lookup on the chain it found
+        expansion config each request was planned (at its prompt's step too, undrafted there: it then
+        asks the prompt's features for a feature drafter), with context lookup on the chain it found
         for each (maybe none) and the most tokens it could have drafted, and the deepest tree asked of
         the drafters (0: they were not asked), the nodes asked in all, the requests they were asked
         for and the seconds spent awaiting their trees. A request in `predicted` drafts from its
         prediction this step, merged with lookup's chain: the drafters are not asked for it, and no
         reason for having no tree is counted for it."""
-        drafting = []
+        drafting, first = [], {}  # first: those planned a tree at their prompt's step, undrafted (FIRST_TOKEN_FIRST)
         for s in batch:
-            if plan := self._plan(s, choice):
+            if ((plan := self._plan(s, choice)) and self.controller is not None and s.expansion is None and not s.steps
+                    and s.id not in predicted):
+                first[s.id] = plan
+                s.no_tree[FIRST_TOKEN_FIRST] += 1
+            elif plan:
                 drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features)))
             elif s.id not in predicted:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
@@ -851,7 +863,7 @@ class SpeculativeEngine:
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 if s.id not in predicted:
                     s.no_tree["no drafters configured"] += 1
-            return {}, {}, {s.id: d.expansion for s, d in drafting}, {}, (0, 0, set(), 0.0)
+            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0)
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
@@ -891,7 +903,7 @@ class SpeculativeEngine:
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
                      max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
                      drafted)
-        return merged, sources, {s.id: d.expansion for s, d in drafting}, chains, asked_for
+        return merged, sources, {**first, **{s.id: d.expansion for s, d in drafting}}, chains, asked_for
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:
         """What drafter number `drafter` drafts this step: for requests on the server's expansion, as

@@ -13,7 +13,7 @@ import pytest
 
 from manager_svc.scheduler import Scheduler, SlowReader, Stream
 from specinfer.controller import PLAIN, Choice, Iteration, SpeculationController
-from specinfer.engine import Record, Request, SpeculativeEngine, Verified, steps_ahead_for
+from specinfer.engine import FIRST_TOKEN_FIRST, Record, Request, SpeculativeEngine, Verified, steps_ahead_for
 from specinfer.errors import VerifierLost
 from specinfer.tree import TokenTree
 
@@ -127,8 +127,9 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]]
 def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays_exact():
     seqs, speculator, controller, _ = run(False, PROMPTS, 30)
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
-    # only the prefill's iteration, whose last tokens are new (lookup has nothing to continue), asks
-    assert speculator.asked == [[s.id for s in seqs]]
+    # the prompt's step drafts nothing (FIRST_TOKEN_FIRST), and from the next one lookup finds the loop for
+    # every request: the speculators are never asked (test_the_ssms_trees...: asked where the SSMs' trees are chosen)
+    assert speculator.asked == []
     assert controller.steps and all(s.draft_levels == s.draft_nodes == s.draft_s == 0 and not any(s.asked)
                                     for s in controller.steps)
     # the loop is guessed: after the prefill (whose last token is new: no chain), three chain tokens
@@ -142,11 +143,56 @@ def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
     asked = sum(s.draft_levels > 0 for s in controller.steps)
     assert asked >= len(controller.steps) - 1  # all but a last step with one token to go
-    assert speculator.calls == 1 + asked  # and the prefill's iteration
+    assert speculator.calls == asked  # not at the prompt's step (FIRST_TOKEN_FIRST), which the controller never records
     # the SSMs' trees, with lookup's right chain merged in, are accepted; and the chain is measured on its
     # own at these steps too (every step where lookup found one), so lookup's choice stays priced
     assert controller.acceptance[True].at(1) > 0.9 and controller.acceptance[False].at(3) > 0.9
     assert controller.fallback() < 0.2
+
+
+class Recording(Verifier):
+    """Keeps every step's checks: (request id, new tokens, tree nodes, features asked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[list[tuple[str, int, int, bool]]] = []
+
+    async def verify(self, checks, release):
+        self.steps.append([(c.request_id, len(c.new_tokens), len(c.tree), c.features) for c in checks])
+        return await super().verify(checks, release)
+
+
+class FeatureSpeculator(Speculator):
+    wants_features = True
+
+
+def test_with_the_controller_a_prompts_step_drafts_nothing_but_brings_the_prompts_features():
+    """The first token comes as soon as without speculation (FIRST_TOKEN_FIRST): with the controller,
+    at a request's prompt step no drafter is asked for it and no tree is verified, yet a feature
+    drafter gets the prompt's features; from its next step it drafts, and its output is the LLM's. A
+    request that fixed its expansion drafts at its prompt's step too, as every request does without
+    the controller."""
+    for controlled in (True, False):
+        verifier, speculator = Recording(), FeatureSpeculator()
+        engine = SpeculativeEngine(verifier, [speculator], eos=set(), expansion=[1, 1], tree_budget=64,
+                                   controller=Fixed(True) if controlled else None, lookup=False)
+        scheduler = Scheduler(engine, max_batch=8, max_queue=8, max_prefill_tokens=4096)
+        server, fixed = (scheduler.submit(Request(p, 12, id=name), e)
+                         for p, name, e in ((PROMPTS[0], "server", None), (PROMPTS[1], "fixed", [1])))
+
+        async def go():
+            while scheduler.running or scheduler.waiting:
+                await scheduler.iteration()
+
+        asyncio.run(go())
+        assert [server.generated, fixed.generated] == [reference(p, 12) for p in PROMPTS]
+        first = {rid: (new, nodes, features) for rid, new, nodes, features in verifier.steps[0]}
+        assert first["server"] == (len(PROMPTS[0]), 0 if controlled else 2, True)  # the prompt's features
+        assert first["fixed"] == (len(PROMPTS[1]), 1, True)
+        assert speculator.asked[0] == (["fixed"] if controlled else ["server", "fixed"])
+        # its drafts never hold: a token a step, each with a tree but the prompt's (controlled) and the last one's
+        assert "server" in speculator.asked[1] and server.steps == 12 and server.tree_steps == 12 - 1 - controlled
+        assert server.no_tree[FIRST_TOKEN_FIRST] == (1 if controlled else 0) and not fixed.no_tree[FIRST_TOKEN_FIRST]
 
 
 class Remote(Verifier):
