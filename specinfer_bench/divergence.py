@@ -41,7 +41,8 @@ def compare(plain: list[int], spec: list[int]) -> tuple[float, int | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llm", default=DEFAULT_LLM)
-    ap.add_argument("--ssm", type=Path, action="append", default=None, help="repeatable (default: the default LLM's drafters; none on another LLM: context lookup drafts alone)")
+    ap.add_argument("--ssm", type=Path, action="append", default=None,
+                    help="repeatable (default: the default LLM's drafters; none on another LLM: context lookup alone)")
     ap.add_argument("--prompt-file", type=Path, default=default_prompts())
     ap.add_argument("--prompts", type=int, default=8, help="first N prompts of the file")
     ap.add_argument("--max-new-tokens", type=int, default=64)

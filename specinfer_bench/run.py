@@ -122,8 +122,9 @@ def main(args) -> int:
         default = default_config(resolve_device("auto").type)  # where the services put the verifier
         svc_configs = ["off", default] if args.quick else ["off", default, "2,1,1@64", "1,1,3,1,1,1,1,1@64@static"]
         short = [r[:32] for r in reference[:4]]
-        services_rows = measure(llm_dir, drafter_dirs(args.ssm, False, llm_dir, served_ssms), prompts, short, svc_configs, levels,
-                                requests_per_stream=2 if args.quick else 3, max_new_tokens=max_new, rounds=rounds)
+        services_rows = measure(llm_dir, drafter_dirs(args.ssm, False, llm_dir, served_ssms), prompts, short,
+                                svc_configs, levels, requests_per_stream=2 if args.quick else 3,
+                                max_new_tokens=max_new, rounds=rounds)
     for r in single:
         if (r["temperature"] == 0 and r["config"].startswith("ours") and "tree_nodes" in r and "merged" not in r["config"]
                 and "lookup" not in r["config"]):  # the search's model knows SSM 0 alone

@@ -120,6 +120,11 @@ def uses_ssms(config: str) -> bool:
     return name != "off" and "alone" not in options
 
 
+def ssms_used(configs: list[str], ssms: list) -> list:
+    """The SSMs to start (or load) for these configs: none where every one is 'off' or @alone."""
+    return ssms if any(uses_ssms(c) for c in configs) else []
+
+
 def engine_settings(config: str, ssms: list, device: str) -> dict:
     """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static,
     @nolookup or @alone (the others name what only the services do); several SSMs merge their trees, as the
@@ -240,7 +245,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
     the @head configs (the verifier then keeps their layers' features for every config). The services run
     their models in `dtype` and log to `log_dir` (default: a temporary directory)."""
     check_configs(configs, len(ssms), len(heads))
-    ssms = ssms if any(uses_ssms(c) for c in configs) else []  # 'off' and @alone alone: no SSM's speculator
+    ssms = ssms_used(configs, ssms)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -345,8 +350,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device)
     if args.in_process:
-        drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device)
-                    for d in (ssms if any(uses_ssms(c) for c in configs) else [])]
+        drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssms_used(configs, ssms)]
         loaded = time.perf_counter()
         reference, result["in_process"] = in_process(llm, drafters, prompts, configs, levels, args.requests_per_stream,
                                                      args.max_new_tokens, args.temperature, exact)
