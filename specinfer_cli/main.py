@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,14 +139,21 @@ def load_engine(args, mode: str) -> Engine:
 
 def cmd_generate(args) -> int:
     prompts = load_prompts(args)
+    compare = args.compare_off and args.mode != Mode.INCREMENTAL.value
+    modes = [args.mode, Mode.INCREMENTAL.value] if compare else [args.mode]
+
+    def shown(mode: str, gens: list[Generation], texts: list[str]) -> None:
+        if mode == args.mode:
+            for g, text in zip(gens, texts):
+                print_generation(g, text, args.json)
     try:
-        gens, texts, seconds = generate_once(args, prompts, args.mode)
-        for g, text in zip(gens, texts):
-            print_generation(g, text, args.json)
-        print_summary(args.mode, gens, seconds)
-        if args.compare_off and args.mode != Mode.INCREMENTAL.value:
-            plain, _, plain_seconds = generate_once(args, prompts, Mode.INCREMENTAL.value)
-            print_summary(Mode.INCREMENTAL.value, plain, plain_seconds)
+        runs = {mode: runner(args, mode) for mode in modes}
+        # compared, in rounds of --concurrency requests (default: all) that alternate between the two
+        results = interleaved(runs, prompts, (args.concurrency or len(prompts)) if compare else len(prompts), shown)
+        for mode, (gens, seconds) in results.items():
+            print_summary(mode, gens, seconds)
+        if compare:
+            (gens, seconds), (plain, plain_seconds) = results.values()
             same = [g.token_ids for g in gens] == [g.token_ids for g in plain]
             ratio = (sum(len(g.token_ids) for g in gens) / seconds) / (sum(len(g.token_ids) for g in plain) / plain_seconds)
             print(f"speculation ({args.mode}) ran at {ratio:.2f}x the tokens/s of no speculation; outputs "
@@ -156,26 +164,52 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def generate_once(args, records: list[dict], mode: str):
-    """(generations, texts, seconds) of one run of every prompt record."""
+Run = Callable[[list[dict]], tuple[list[Generation], list[str], float]]
+
+
+def interleaved(runs: dict[str, Run], records: list[dict], size: int,
+                shown: Callable[[str, list[Generation], list[str]], None]) -> dict[str, tuple[list[Generation], float]]:
+    """Every mode's run of the records, in rounds of `size` records, the modes taking turns within each
+    round and the last to run one round the first to run the next (A B, B A, A B ...), so that a machine
+    whose speed drifts over minutes (2x on a shared VM) weighs on every mode alike; `shown` gets each
+    round's generations and texts as they come. Returns mode -> (its generations in the records' order,
+    its seconds summed over its rounds)."""
+    modes = list(runs)
+    out: dict[str, tuple[list[Generation], float]] = {mode: ([], 0.0) for mode in modes}
+    for i, start in enumerate(range(0, len(records), size)):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            gens, texts, seconds = runs[mode](records[start : start + size])
+            out[mode] = (out[mode][0] + gens, out[mode][1] + seconds)
+            shown(mode, gens, texts)
+    return out
+
+
+def runner(args, mode: str) -> Run:
+    """A run of prompt records in `mode` -> (generations, texts, seconds): through --server, or in
+    process on an engine built once, here."""
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, min_p=args.min_p, seed=args.seed, mss=args.mss)
     if args.server:  # the composition root may use the services' client; the core never does
         from specinfer_rpc.client import generate_remote
 
-        prompts = [(r["id"], text) for r, text in zip(records, texts_for_server(args.llm, records))]
-        run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
-                              remote_speculation(mode, args.expansion), client_credentials(args),
-                              args.wait, waiting_notice("generate", args.server, args.wait), args.concurrency or 0)
-        return run.generations, run.texts, run.seconds
+        def remote(records: list[dict]):
+            prompts = [(r["id"], text) for r, text in zip(records, texts_for_server(args.llm, records))]
+            run = generate_remote(args.server, prompts, args.max_new_tokens, sampling,
+                                  remote_speculation(mode, args.expansion), client_credentials(args),
+                                  args.wait, waiting_notice("generate", args.server, args.wait), args.concurrency or 0)
+            return run.generations, run.texts, run.seconds
+        return remote
     tokenizer = load_tokenizer(args.llm)
-    requests = [Request(prompt_ids(tokenizer, r), args.max_new_tokens, sampling, id=r["id"]) for r in records]
     engine = load_engine(args, mode)
-    start = time.perf_counter()
-    step = args.concurrency or len(requests)
-    gens = [g for i in range(0, len(requests), step)
-            for g in engine.generate(requests[i : i + step], progress=not args.json and sys.stderr.isatty())]
-    seconds = time.perf_counter() - start
-    return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds
+
+    def local(records: list[dict]):
+        requests = [Request(prompt_ids(tokenizer, r), args.max_new_tokens, sampling, id=r["id"]) for r in records]
+        start = time.perf_counter()
+        step = args.concurrency or len(requests)
+        gens = [g for i in range(0, len(requests), step)
+                for g in engine.generate(requests[i : i + step], progress=not args.json and sys.stderr.isatty())]
+        seconds = time.perf_counter() - start
+        return gens, [tokenizer.decode(g.token_ids) for g in gens], seconds
+    return local
 
 
 def remote_speculation(mode: str, expansion: str | None) -> str | None:
@@ -429,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--concurrency", type=positive_int, default=None,
                      help="requests in flight at once (default: all; in-process, each group is decoded as one batch)")
     gen.add_argument("--compare-off", action="store_true",
-                     help="then run the same requests with speculation off and print the speed-up")
+                     help="also run the same requests with speculation off and print the speed-up: in rounds of "
+                          "--concurrency requests (default: all), the two taking turns, so that the machine's drift "
+                          "weighs on both alike")
     gen.add_argument("--draft-replacement", action="store_true",
                      help="in-process, with --mss: drafts drawn i.i.d. (default: without replacement)")
     gen.add_argument("--context-lookup", action=argparse.BooleanOptionalAction, default=True,

@@ -34,9 +34,11 @@ def free_port() -> int:
 
 
 def summary_of(proc: subprocess.CompletedProcess) -> str:
-    """The summary line's tree part, after checking its figures against the JSON lines on stdout."""
+    """The summary line's tree part, after checking its figures against the JSON lines on stdout (with
+    --compare-off: the first line's, the requested mode's; the generations printed are its)."""
     results = [json.loads(line) for line in proc.stdout.splitlines()]
-    (line,) = SUMMARY.findall(proc.stderr)
+    line, *off = SUMMARY.findall(proc.stderr)
+    assert len(off) == ("--compare-off" in proc.args)
     _, requests, tokens, seconds, tok_s, per_step, trees = line
     assert int(requests) == len(results)
     assert int(tokens) == sum(len(r["token_ids"]) for r in results)
@@ -140,13 +142,22 @@ def test_serve_answers_generate_server_like_in_process_and_stops_every_process_o
         plain = run_cli(*server, "--mode", "incremental")
         assert plain.returncode == 0, plain.stderr
         assert summary_of(plain) == "no step used a tree: speculation off for this request"
+        # the README's first command: the same requests with speculation off, one at a time, taking turns
+        compared = run_cli(*server, "--concurrency", "1", "--compare-off")
+        assert compared.returncode == 0, compared.stderr
+        summary_of(compared)
+        (tree, off) = SUMMARY.findall(compared.stderr)
+        assert (tree[0], off[0], off[2], off[5]) == ("tree", "incremental", tree[2], "1.00")
+        assert off[6] == "no step used a tree: speculation off for this request"
+        assert re.search(r"^speculation \(tree\) ran at [\d.]+x the tokens/s of no speculation; outputs identical$",
+                         compared.stderr, re.MULTILINE)
     finally:
         serve.send_signal(signal.SIGTERM)
         _, err = serve.communicate(timeout=60)
     local = run_cli("--prompt-file", str(prompt_file), "--mode", "incremental", "--max-new-tokens", "24", "--json")
     assert summary_of(local) == "no step used a tree: speculation off for this request"
     strip = lambda out: [{k: r[k] for k in ("id", "token_ids", "text", "finish_reason")} for r in map(json.loads, out.splitlines())]
-    assert strip(remote.stdout) == strip(local.stdout) == strip(plain.stdout)
+    assert strip(remote.stdout) == strip(local.stdout) == strip(plain.stdout) == strip(compared.stdout)
     assert serve.returncode == 0
     pids = [int(m) for m in re.findall(r" pid (\d+) on ", err)]
     assert len(pids) == 4  # verifier, a speculator (SSM 0), manager, gateway
@@ -236,3 +247,28 @@ def test_serve_of_an_llm_without_drafters_speculates_with_context_lookup_alone(t
     nothing = subprocess.run([sys.executable, "-m", "specinfer_cli", "generate", "--llm", str(MODELS / "llm"), "--no-ssm",
                               "--no-context-lookup", "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert nothing.returncode == 2 and "needs at least one SSM or head (or context lookup)" in nothing.stderr
+
+
+def test_compare_off_runs_the_modes_in_rounds_that_take_turns_and_adds_each_modes_rounds():
+    from specinfer.generate import Generation
+    from specinfer_cli.main import interleaved
+
+    calls, shown = [], []
+
+    def run(mode: str, seconds: float):
+        def go(records):
+            calls.append((mode, [r["id"] for r in records]))
+            return [Generation(r["id"], [1, 2], "length", 1) for r in records], [mode + r["id"] for r in records], seconds
+        return go
+    records = [{"id": str(i)} for i in range(5)]
+    out = interleaved({"tree": run("tree", 0.5), "incremental": run("incremental", 2.0)}, records, 2,
+                      lambda mode, gens, texts: shown.append((mode, texts)))
+    assert calls == [("tree", ["0", "1"]), ("incremental", ["0", "1"]),
+                     ("incremental", ["2", "3"]), ("tree", ["2", "3"]),
+                     ("tree", ["4"]), ("incremental", ["4"])]
+    assert [mode for mode, _ in shown] == [mode for mode, _ in calls]
+    assert shown[3] == ("tree", ["tree2", "tree3"])
+    for mode, seconds in (("tree", 0.5), ("incremental", 2.0)):
+        gens, total = out[mode]
+        assert [g.id for g in gens] == [r["id"] for r in records]
+        assert total == pytest.approx(3 * seconds)
