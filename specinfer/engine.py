@@ -328,10 +328,12 @@ class Sequence:
 
 @dataclass
 class Stats:
-    """Where the iterations' time went, by (batch size, levels asked of the drafters): e.g. whether
-    the few tree steps of a load that mostly decodes plainly cost more than they win."""
+    """Where the iterations' time went, by (batch size, levels verified: the deepest draft tree in
+    the step, whoever drafted it, 0 for a plain step): e.g. whether the few tree steps of a load
+    that mostly decodes plainly cost more than they win. (A step whose only drafts are context
+    lookup's chains or the grammar's forced tokens asks the drafters nothing, yet verifies a tree.)"""
 
-    shapes: dict = field(default_factory=dict)  # (batch size, levels) -> [iterations, wall time]
+    shapes: dict = field(default_factory=dict)  # (batch size, levels verified) -> [iterations, wall time]
     verify_s: float = 0.0  # of the wall time, the verifier's step (its own figure)
     draft_s: float = 0.0  # of the wall time, the slowest drafter's tree building (its own figure)
     grammar_s: float = 0.0  # of the wall time, constrained requests' grammars: masks, pruning, forced drafts, states
@@ -594,8 +596,9 @@ class SpeculativeEngine:
                                         outcomes)))
         if self.controller is not None:
             self.controller.record_drafters(outcomes)
-        self.stats.add(len(batch), levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9, grammar_s,
-                       waited, drafted)
+        verified_levels = max((max(depths(c.tree.parents)) for c in checks if len(c.tree)), default=0)
+        self.stats.add(len(batch), verified_levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9,
+                       grammar_s, waited, drafted)
         return out
 
     async def _answer_ahead(self, batch: list[Sequence], start: float) -> list[tuple[Sequence, Chunk | Exception]]:

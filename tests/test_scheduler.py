@@ -125,7 +125,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12, 13, 14, 15]]
 
 
 def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays_exact():
-    seqs, speculator, controller, _ = run(False, PROMPTS, 30)
+    seqs, speculator, controller, stats = run(False, PROMPTS, 30)
     assert [s.generated for s in seqs] == [reference(p, 30) for p in PROMPTS]
     # the prompt's step drafts nothing (FIRST_TOKEN_FIRST), and from the next one lookup finds the loop for
     # every request: the speculators are never asked (test_the_ssms_trees...: asked where the SSMs' trees are chosen)
@@ -136,6 +136,10 @@ def test_lookup_first_asks_the_speculators_only_where_it_finds_nothing_and_stays
     # accepted per step, plus the LLM's own
     assert all(s.steps <= 1 + -(-29 // 4) for s in seqs), [s.steps for s in seqs]
     assert controller.acceptance[False].at(1) > 0.9 and controller.acceptance[True].reached == {}
+    # the iteration split counts the chains' steps by the levels they verified, not as plain steps
+    shapes = stats.summary()["by_batch_and_levels"]
+    assert set(shapes) == {"2x0", "2x3"}
+    assert shapes["2x3"]["iterations"] == sum(s.trees for s in controller.steps) > 0
 
 
 def test_the_ssms_trees_ask_the_speculators_with_lookup_merged_in():
