@@ -276,12 +276,16 @@ def cmd_serve(args) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop_starting)  # serve_forever installs its own once ready
-    system = launch(args.llm, ssms, len(ssms) if args.speculators is None else args.speculators,
-                    args.host, args.port, args.dtype, args.manager_arg,
-                    ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
-                    credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
-                    http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args),
-                    heads=heads)
+    try:
+        system = launch(args.llm, ssms, len(ssms) if args.speculators is None else args.speculators,
+                        args.host, args.port, args.dtype, args.manager_arg,
+                        ["--tp", str(args.tp), "--pp", str(args.pp), *args.verifier_arg], service_args=tls,
+                        credentials=channel_credentials(args.tls_ca, args.tls_cert, args.tls_key),
+                        http_port=None if args.http_port < 0 else args.http_port, ssl_context=https_context(args),
+                        heads=heads)
+    except RuntimeError as e:  # a service failed at start (named, with its error), or was not healthy in time
+        print(f"specinfer serve: {e}; every service stopped", file=sys.stderr)
+        return 1
     for s in system.services:
         print(f"specinfer serve: {s.name} pid {s.process.pid} on {s.address}, metrics {s.metrics or s.url + '/metrics'}",
               file=sys.stderr)

@@ -3,7 +3,9 @@
 Internal services listen on free ports of the host (each prints "<name> listening on <address>"
 once serving); the manager is started last, pointed at them, on the public port. The launcher
 checks every service's gRPC health, prints the manager's address, and on SIGTERM or SIGINT stops
-them all (SIGTERM, then SIGKILL after the grace period).
+them all (SIGTERM, then SIGKILL after the grace period). Each service's stderr passes through the
+launcher (to its own stderr, or a log file), which keeps its last lines: a service that dies at start
+is named with its error (`ServiceFailed`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,11 +38,25 @@ class Service:
     metrics: str = ""  # its /metrics URL, when it serves one
     http: str = ""  # an HTTP service's scheme (the gateway: "http" or "https"); its health is GET /health
     source: Path = Path(__file__).resolve().parent.parent  # the source tree it runs from (e.g. another checkout, to compare)
+    stderr_tail: deque = field(default_factory=lambda: deque(maxlen=20))  # its last lines on stderr
+
+    def last_error(self) -> str:
+        """The last non-blank line it wrote to stderr (a traceback's last line names the error)."""
+        return next((line.strip() for line in reversed(self.stderr_tail) if line.strip()), "")
 
     @property
     def url(self) -> str:
         """An HTTP service's base URL."""
         return f"{self.http}://{self.address}"
+
+
+class ServiceFailed(RuntimeError):
+    """A service exited before it was listening: its name, exit code and the last line of its error."""
+
+    def __init__(self, service: Service, code: int):
+        error = service.last_error()
+        super().__init__(f"{service.name} failed at start (exit code {code})" + (f": {error}" if error else ""))
+        self.service = service
 
 
 FRONT = ("gateway_svc", "manager_svc")  # what clients call; stopped before the services they call
@@ -79,15 +97,16 @@ class System:
         self._run(service, timeout)
 
     def _run(self, service: Service, timeout: float) -> None:
-        log = None
+        sink = sys.stderr
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            log = open(self.log_dir / f"{service.name}.log", "a")
+            sink = open(self.log_dir / f"{service.name}.log", "a")
         proc = service.process = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
-                                                  stdout=subprocess.PIPE, stderr=log, text=True,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                                   cwd=service.source)
-        if log is not None:
-            log.close()  # the child has its own copy
+        relay = threading.Thread(target=_relay, args=(proc.stderr, sink, service.stderr_tail), daemon=True,
+                                 name=f"{service.name}-stderr")
+        relay.start()
         address = ""
         for line in proc.stdout:  # the service prints nothing else on stdout; EOF if it dies
             if " metrics on " in line:
@@ -96,8 +115,10 @@ class System:
                 address = line.split(" listening on ")[1].strip()
                 break
         if not address:
+            code = proc.wait()
+            relay.join(timeout=5)  # its stderr to the end
             self.stop()
-            raise RuntimeError(f"{service.name} did not start (exit code {proc.wait()})")
+            raise ServiceFailed(service, code)
         service.address = address
         if service.http:
             wait_healthy(service.url, lambda: http_serving(service.url, self.ssl_context), timeout)
@@ -121,6 +142,22 @@ class System:
                 except subprocess.TimeoutExpired:
                     s.process.kill()
                     s.process.wait()
+
+
+def _relay(stream, sink, tail: deque) -> None:
+    """A service's stderr, line by line, to `sink` (the launcher's stderr or the service's log file), its
+    last lines kept in `tail`; a log file is closed at the service's end."""
+    try:
+        for line in stream:
+            tail.append(line)
+            try:
+                sink.write(line if line.endswith("\n") else line + "\n")  # its last words end a line too
+                sink.flush()
+            except (OSError, ValueError):  # the launcher's stderr closed: keep draining the pipe
+                pass
+    finally:
+        if sink is not sys.stderr:
+            sink.close()
 
 
 def grpc_serving(address: str, credentials: grpc.ChannelCredentials | None = None) -> bool:

@@ -198,6 +198,17 @@ def test_serve_stopped_while_starting_stops_the_services_it_already_started():
             os.kill(pid, 0)
 
 
+def test_serve_names_a_service_that_fails_at_start_with_its_errors_last_line_and_stops_the_others():
+    serve = subprocess.run([sys.executable, "-m", "specinfer_cli", "serve", "--port", str(free_port()), "--http-port", "-1",
+                            "--llm", str(MODELS / "llm"), "--ssm", str(MODELS / "ssm-0"), "--manager-arg=--no-such-flag"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = serve.stderr.strip().splitlines()[-1]
+    assert serve.returncode == 1, serve.stderr[-2000:]
+    assert last.startswith("specinfer serve: manager failed at start (exit code 2): "), last
+    assert "unrecognized arguments: --no-such-flag" in last and last.endswith("every service stopped")
+    assert "verifier listening on" not in serve.stdout  # the launcher printed no address: it never got ready
+
+
 def test_the_default_llms_drafters_serve_unless_told_otherwise_and_another_llm_gets_only_those_named():
     from specinfer.checkpoints import DEFAULT_LLM, default_llm_file, drafter_dirs, served_heads, served_ssms
 

@@ -1,4 +1,4 @@
-"""Fused elementwise kernels (kernels/fused.py, fused_triton.py): each Triton kernel equals its
+"""Fused elementwise kernels (specinfer_kernels/fused.py, fused_triton.py): each Triton kernel equals its
 PyTorch reference over many shapes, and each reference is exactly what transformers' Llama
 computes (its RMSNorm, its rotary embedding), so the fused path cannot drift from the model.
 

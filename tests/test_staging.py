@@ -1,4 +1,4 @@
-"""The host's preparation of a step (kernels/batch.py `Staging`, `TreeBatch.pack`; model.py `Layout.stage`).
+"""The host's preparation of a step (specinfer_kernels/batch.py `Staging`, `TreeBatch.pack`; model.py `Layout.stage`).
 
 - On a GPU a bucket's inputs live twice, pinned on the host and at fixed addresses on the device,
   and a padded step sends only what it uses: every per-query and per-request field, the tree bits
