@@ -24,8 +24,10 @@ step), so that a rerun continues where a run stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -275,8 +277,24 @@ def fit(head: EagleHead, target, seqs, loss_from, vocab, run: HeadRun, steps: in
         outs = head.chains(feats + noise * run.noise * rms, tokens, run.ttt)
         return soft_loss(head, outs, index, ids, probs, learnt, 0.8)
 
-    return optimize(head, loss, steps, run.lr, 0.0, (0.9, 0.95), gen, work / "state.pt", "head (TTT)",
-                    autocast=device.type == "cuda", device=device.type, deadline=deadline, log=work / "loss.jsonl")
+    with reference_kernels():
+        return optimize(head, loss, steps, run.lr, 0.0, (0.9, 0.95), gen, work / "state.pt", "head (TTT)",
+                        autocast=device.type == "cuda", device=device.type, deadline=deadline, log=work / "loss.jsonl")
+
+
+@contextlib.contextmanager
+def reference_kernels():
+    """The head's chains run the fused elementwise ops' PyTorch references: the Triton kernels (chosen on a
+    GPU) have no backward and want one dtype, and autocast mixes bf16 activations with fp32 weights."""
+    old = os.environ.get("SPECINFER_FUSED")
+    os.environ["SPECINFER_FUSED"] = "reference"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["SPECINFER_FUSED"]
+        else:
+            os.environ["SPECINFER_FUSED"] = old
 
 
 def losses(log: Path, window: int = 10) -> dict:
@@ -296,7 +314,8 @@ def agreement(head: EagleHead, target, seqs: list[list[int]], prompt_lens: list[
     for s, p in zip(seqs, prompt_lens):
         tokens = torch.tensor([s], device=device)
         feats = targets(target, tokens, torch.tensor([len(s)], device=device), list(head.head_cfg.layers))[0]
-        outs = head.chains(feats.to(head.dtype), tokens, CHAIN)
+        with reference_kernels():
+            outs = head.chains(feats.to(head.dtype), tokens, CHAIN)
         roots = torch.arange(p - 2, len(s) - 2, device=device)  # pair j predicts token j + 2: the reply's tokens
         steps = torch.arange(CHAIN, device=device)[:, None]
         hits = torch.stack([head.lm_logits(o[0, roots]).argmax(-1) == tokens[0, (roots + 2 + k).clamp(max=len(s) - 1)]
