@@ -39,16 +39,14 @@ finds nothing for emits its one token.
   PLAIN_SETTLED samples (plain decoding not held yet: only looks at it, one step at a time), the
   longer of its verifier step and its rest, not their sum (a bound: where the RPC is most of the
   rest, two steps in flight overlap it and held plain decoding comes out faster still).
-  The services on an H200 (7B class) ran plain decoding at 257, 3483 and 7460 tok/s at 1, 16 and 64
-  streams, where this controller, summing the terms of its looks at plain steps, had predicted 170,
-  2531 and 4986 (bench/results/services_h200_7b.json); one step at a time, plain decoding ran at 166,
-  2066 and 4577.
+  How far the sum of the terms of its looks at plain steps undershoots held plain decoding, and how
+  fast plain decoding runs one step at a time, on an H200: bench/results/services_h200_7b.md.
 - Expected rows and nodes per request of each choice are measured (merging unions the speculators'
   trees, so how many nodes a request verifies depends on how often they agree).
 
 Once a batch size has run SETTLING (32) iterations, its choice is weighed again every REWEIGH (8)
-of them while it holds, not at every one (weighing every time was most of the controller's cost:
-154 of the manager's 254 us an iteration at one request on a CPU), and at the next iteration after
+of them while it holds, not at every one (weighing every time was most of the controller's cost, and
+of the manager's time an iteration at one request on a CPU), and at the next iteration after
 it moved, so that a move one odd step caused is undone as soon as before. Before, the fits are
 young and move fast, and every iteration weighs.
 

@@ -1,7 +1,8 @@
 """The speculative iteration, written once: the in-process Engine (generate.py) and the manager's
 scheduler (manager_svc) both run `SpeculativeEngine.iteration`.
 
-One iteration over a batch of running requests:
+One iteration over a batch of running requests (`SpeculativeEngine.iteration`, each step a method of
+its own: `_plan`, `_draft`, `_constrain`, `_verify`, `_commit_all`):
   1. plan each request's draft: its own expansion config if it fixed one, else the server's, cut to
      the tree budget shared by the batch, at the depth the cost-model controller (controller.py)
      picks for this batch size, down to context lookup's chain first or none; never past
@@ -56,9 +57,9 @@ from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_
 
 # Why a request on the server's trees has none at its prompt's step, with the controller: its first token
 # comes as soon as without speculation, as in vLLM and SGLang. Drafting there put the SSMs' prefill of the
-# prompt and the tree's rows before the first token: through the services on a CPU, TTFT p50 with SSM 0 and
-# the head 100 ms drafted, 71 ms undrafted, 76 ms off at one stream (320 / 247 / 240 ms at four), at the same
-# tok/s or more (bench/results/services_first_token_ab_cpu.md). A feature drafter still gets the prompt's features.
+# prompt and the tree's rows before the first token; undrafted, TTFT through the services is that of no
+# speculation, at the same tok/s or more (bench/results/services_first_token_ab_cpu.md). A feature drafter
+# still gets the prompt's features.
 FIRST_TOKEN_FIRST = "the prompt's step: its first token comes first"
 MAX_RESYNCS = 2  # times a request's record is resent to a verifier that lost it before it fails
 PREFILL_CHUNK = 512  # the services' default chunk of a long record (the manager's, for the verifier; the speculators')
@@ -162,7 +163,7 @@ def validate(req: Request, vocab_size: int, context: int, max_new_tokens_cap: in
 class Record:
     """A request's record, its prompt and then its generated tokens, as those two lists themselves:
     never joined, since a step reads only a tail of it (joining every drafted request's whole record
-    each iteration cost about 0.5 ms at 64 requests of 1,500 tokens)."""
+    each iteration cost in proportion to the records' lengths)."""
 
     prompt: list[int]
     generated: list[int]
@@ -401,6 +402,39 @@ class Ahead:
     why: list[str]  # why each request has no tree this step (Sequence.no_tree)
 
 
+@dataclass
+class Round:
+    """One iteration's work as it passes from step to step (`SpeculativeEngine.iteration`)."""
+
+    start: float  # time.perf_counter() at the iteration's start
+    batch: list[Sequence]  # the requests stepped (and drafted for), chunked prefills apart
+    chunked: list[Sequence]  # records going in chunks, each alone, this step
+    chunks: dict[str, int]  # request -> tokens of its chunk
+    steady: bool  # every request's record was on the verifier at the start (a step the controller learns from)
+    choice: Choice
+    fits: int  # requests whose whole trees fit the tree budget
+    predicted: dict[str, list[int]]  # request -> the chain it drafts from its prediction
+    # drafted: each request's merged tree, the trees it merged by drafter number, the expansion it was
+    # planned, lookup's chain and room; the deepest tree asked, the nodes asked, the requests asked, the wait
+    trees: dict[str, TokenTree] = field(default_factory=dict)
+    sources: dict[str, dict[int, TokenTree]] = field(default_factory=dict)
+    plans: dict[str, list[int]] = field(default_factory=dict)
+    chains: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    levels: int = 0
+    nodes: int = 0
+    asked: set[str] = field(default_factory=set)
+    drafted: float = 0.0
+    # constrained: each constrained request's allowed tokens per row and its forced tokens; the grammar's time
+    allowed: dict[str, AllowedTokens] = field(default_factory=dict)
+    forced: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    grammar_s: float = 0.0
+    # verified: what was sent, the releases it carried, the wait for its answer, the slowest drafter's ns
+    checks: list[Check] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+    waited: float = 0.0
+    draft_ns: int = 0
+
+
 def append_tokens(out: list[int], req: Request, tokens: list[int], eos: set[int]) -> str:
     """Append a step's tokens to the request's generated tokens `out`, up to and including the
     first that finishes the request; return the finish reason ("eos", "stop", "length") or ""."""
@@ -501,12 +535,32 @@ class SpeculativeEngine:
     # -- the iteration ----------------------------------------------------------------------
     async def iteration(self, batch: list[Sequence]) -> list[tuple[Sequence, Chunk | Exception]]:
         """One step of every request in `batch`: each one's chunk, or the error it failed with.
-        Requests marked done meanwhile (cancelled) are skipped."""
+        Requests marked done meanwhile (cancelled) are skipped. Its steps are plan, draft, constrain,
+        verify, then what the step cost told the controller, the commit and the statistics."""
         start = time.perf_counter()
         if self.ahead is not None:
             return await self._answer_ahead(batch, start)
+        r = self._plan(batch, start)
+        await self._draft(r)
+        if not self._drop_cancelled(r):
+            return []
+        self._constrain(r)
+        try:
+            verified, step_ns = await self._verify(r)
+        except (VerifierLost, VerifierUnavailable) as e:
+            return self._failed(r.batch + r.chunked, r.release, e)
+        self._tell_controller(r, verified, step_ns)
+        out = self._commit_all(r, verified)
+        verified_levels = max((max(depths(c.tree.parents)) for c in r.checks if len(c.tree)), default=0)
+        self.stats.add(len(r.batch), verified_levels, time.perf_counter() - start, step_ns / 1e9, r.draft_ns / 1e9,
+                       r.grammar_s, r.waited, r.drafted)
+        return out
+
+    def _plan(self, batch: list[Sequence], start: float) -> Round:
+        """Plan: the long records that go in chunks (each sent alone; drafted for and decided at their
+        last chunk), the controller's choice for the others, and the requests that draft from their
+        prediction."""
         steady = all(s.verifier_has == s.length for s in batch)
-        # long records go in chunks, each sent alone; drafted for and decided at their last chunk
         chunks = {s.id: n for s in batch if (n := self._chunk(s))} if self.prefill_chunk else {}
         chunked = [s for s in batch if s.id in chunks] if chunks else []
         if chunks:
@@ -516,89 +570,107 @@ class SpeculativeEngine:
         # without steps ahead, _chains ends the test before any loop over the batch)
         chained = not chunks and self._chains(batch) and not any(s.expansion for s in batch)
         choice = self._choose(len(batch), full_trees, chained)
-        predicted = self._predicted(batch)
-        trees, sources, plans, chains, (levels, nodes, asked, drafted) = await self._draft(
-            batch, choice, len(full_trees), predicted)
-        for s in batch:
-            if chain := predicted.get(s.id):
+        return Round(start, batch, chunked, chunks, steady, choice, len(full_trees), self._predicted(batch))
+
+    async def _draft(self, r: Round) -> None:
+        """Draft: the drafters' trees merged with context lookup's chains (`_drafted_trees`), and each
+        prediction's chain merged in."""
+        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted) = await self._drafted_trees(
+            r.batch, r.choice, r.fits, r.predicted)
+        for s in r.batch:
+            if chain := r.predicted.get(s.id):
                 own = chain_tree(chain, s.request.sampling.sampled_drafts)
-                trees[s.id] = merge([trees[s.id], own]) if s.id in trees else own
-                sources.setdefault(s.id, {})[self.prediction_source] = own
-        for s in batch:
-            if s.done:  # cancelled while drafting: its draft may have reached a drafter after the release
+                r.trees[s.id] = merge([r.trees[s.id], own]) if s.id in r.trees else own
+                r.sources.setdefault(s.id, {})[self.prediction_source] = own
+
+    def _drop_cancelled(self, r: Round) -> bool:
+        """The requests cancelled while drafting leave the round (their draft may have reached a drafter
+        after the release: released there again); whether any request is left."""
+        for s in r.batch:
+            if s.done:
                 for d in self.drafters:
                     d.release(s.id)
-        batch = [s for s in batch if not s.done]
-        chunked = [s for s in chunked if not s.done] if chunks else []
-        if not batch and not chunked:
-            return []
-        # constrained requests: each row's allowed tokens, the nodes the grammar drafted. A forced token is
-        # the only one its state allows, so the masked LLM always accepts it: it is drafted whatever the
-        # controller chose (unless the request turned speculation off), one verified row a token
-        allowed, forced = {}, {}
-        grammar_start = time.perf_counter()
-        for s in batch:
+        r.batch = [s for s in r.batch if not s.done]
+        r.chunked = [s for s in r.chunked if not s.done] if r.chunks else []
+        return bool(r.batch or r.chunked)
+
+    def _constrain(self, r: Round) -> None:
+        """Constrain: each constrained request's allowed tokens per row and the nodes its grammar drafted.
+        A forced token is the only one its state allows, so the masked LLM always accepts it: it is
+        drafted whatever the controller chose (unless the request turned speculation off), one verified
+        row a token."""
+        start = time.perf_counter()
+        for s in r.batch:
             if s.constraint is not None:
-                tree, allowed[s.id], forced[s.id] = s.constraint.constrain(
-                    trees.pop(s.id, TokenTree()), FORCED_TOKENS if s.expansion != [] else 0, self._room(s),
+                tree, r.allowed[s.id], r.forced[s.id] = s.constraint.constrain(
+                    r.trees.pop(s.id, TokenTree()), FORCED_TOKENS if s.expansion != [] else 0, self._room(s),
                     s.request.sampling.sampled_drafts)
                 if len(tree):
-                    trees[s.id] = tree
-        grammar_s = time.perf_counter() - grammar_start
+                    r.trees[s.id] = tree
+        r.grammar_s = time.perf_counter() - start
+
+    async def _verify(self, r: Round) -> tuple[list[Verified], int]:
+        """Verify: one step of the round's trees and prefill chunks (a plain step sends the next one
+        ahead behind it: module docstring); the answers and the step's ns. Raises what the verifier
+        failed with."""
         # features for the steps that speculate for the request (also where context lookup's chain
         # stood in for the drafters: the head's next draft needs these rows; a prefill that speculates
         # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
         # worse there, never wrongly), and a load at which the controller decodes plainly pays for none; a
         # step that drafts from the request's prediction asks none, unless it is the prefill (the prompt's)
         features = self.wants_features
-        checks = [self._check(s, trees.get(s.id, TokenTree()),
-                              features and s.id in plans and (s.id not in predicted or not s.steps), allowed.get(s.id))
-                  for s in batch]
-        checks += [Check(s.id, s.tokens_from(s.verifier_has)[: chunks[s.id]], s.verifier_has + chunks[s.id],
-                         TokenTree(), s.request.sampling, prefill_only=True) for s in chunked]
-        release = self._releasing()
-        call = self.verifier.verify(checks, release)
-        if self.steps_ahead and not trees and not chunked and not allowed:
+        r.checks = [self._check(s, r.trees.get(s.id, TokenTree()),
+                                features and s.id in r.plans and (s.id not in r.predicted or not s.steps),
+                                r.allowed.get(s.id))
+                    for s in r.batch]
+        r.checks += [Check(s.id, s.tokens_from(s.verifier_has)[: r.chunks[s.id]], s.verifier_has + r.chunks[s.id],
+                           TokenTree(), s.request.sampling, prefill_only=True) for s in r.chunked]
+        r.release = self._releasing()
+        call = self.verifier.verify(r.checks, r.release)
+        if self.steps_ahead and not r.trees and not r.chunked and not r.allowed:
             call = asyncio.ensure_future(call)  # sent first: the step ahead follows it
-            self.ahead = self._send_ahead(batch, {s.id for s in batch})
+            self.ahead = self._send_ahead(r.batch, {s.id for s in r.batch})
         waited = time.perf_counter()
-        try:
-            verified, step_ns = await call
-        except (VerifierLost, VerifierUnavailable) as e:
-            return self._failed(batch + chunked, release, e)
-        waited = time.perf_counter() - waited
-        for s, v in zip(chunked, verified[len(batch):]):
-            s.verifier_has += chunks[s.id]
+        verified, step_ns = await call
+        r.waited = time.perf_counter() - waited
+        for s, v in zip(r.chunked, verified[len(r.batch):]):
+            s.verifier_has += r.chunks[s.id]
             if not s.steps:
                 s.cached_tokens += v.cached_tokens
-        results = [v.tokens for v in verified]
         # the slowest drafter's own time this iteration (0: none was asked)
-        draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if levels else 0
-        if self.controller is not None and steady:
-            # (a prediction's chain lengthens the accepted path past what the server's trees planned)
-            on_server = [(s, r) for s, r in zip(batch, results)
-                         if s.expansion is None and s.id in plans and s.id not in predicted]
-            self.controller.record(Iteration(
-                batch_size=len(batch), choice=choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in checks),
-                trees=bool(trees), draft_levels=levels, draft_nodes=nodes,
-                seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=draft_ns / 1e9,
-                accepted=[(len(r) - 1 if s.id in trees else 0, len(plans[s.id])) for s, r in on_server],
-                tree_nodes=[len(trees.get(s.id, ())) for s, _ in on_server],
-                asked=[s.id in asked for s, _ in on_server],
-                chains=[chain_outcome(*chains[s.id], r) if s.id in chains else None for s, r in on_server]))
+        r.draft_ns = max((d.draft_ns for d in self.drafters if d.connected), default=0) if r.levels else 0
+        return verified, step_ns
+
+    def _tell_controller(self, r: Round, verified: list[Verified], step_ns: int) -> None:
+        """What the round's choice cost and gave, for the controller (steady rounds only: no prefill rode
+        along). A prediction's chain lengthens the accepted path past what the server's trees planned:
+        such requests are left out."""
+        if self.controller is None or not r.steady:
+            return
+        on_server = [(s, v.tokens) for s, v in zip(r.batch, verified)
+                     if s.expansion is None and s.id in r.plans and s.id not in r.predicted]
+        self.controller.record(Iteration(
+            batch_size=len(r.batch), choice=r.choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in r.checks),
+            trees=bool(r.trees), draft_levels=r.levels, draft_nodes=r.nodes,
+            seconds=time.perf_counter() - r.start, verify_s=step_ns / 1e9, draft_s=r.draft_ns / 1e9,
+            accepted=[(len(t) - 1 if s.id in r.trees else 0, len(r.plans[s.id])) for s, t in on_server],
+            tree_nodes=[len(r.trees.get(s.id, ())) for s, _ in on_server],
+            asked=[s.id in r.asked for s, _ in on_server],
+            chains=[chain_outcome(*r.chains[s.id], t) if s.id in r.chains else None for s, t in on_server]))
+
+    def _commit_all(self, r: Round, verified: list[Verified]) -> list[tuple[Sequence, Chunk]]:
+        """Commit: each request's accepted tokens (its features kept for its next draft), and each
+        drafter's own outcome per request for the controller."""
         out, outcomes = [], {}  # drafter number -> (accepted depth, tree depth) of its tree alone, per request
-        for s, v in zip(batch, verified):
+        for s, v in zip(r.batch, verified):
             if v.features is not None:
                 s.features.append(v.features)
             if s.done:  # cancelled while the step ran
                 continue
-            out.append((s, self._commit(s, v, trees.get(s.id), sources.get(s.id, {}), forced.get(s.id, ()),
+            out.append((s, self._commit(s, v, r.trees.get(s.id), r.sources.get(s.id, {}), r.forced.get(s.id, ()),
                                         outcomes)))
         if self.controller is not None:
             self.controller.record_drafters(outcomes)
-        verified_levels = max((max(depths(c.tree.parents)) for c in checks if len(c.tree)), default=0)
-        self.stats.add(len(batch), verified_levels, time.perf_counter() - start, step_ns / 1e9, draft_ns / 1e9,
-                       grammar_s, waited, drafted)
         return out
 
     async def _answer_ahead(self, batch: list[Sequence], start: float) -> list[tuple[Sequence, Chunk | Exception]]:
@@ -633,7 +705,7 @@ class SpeculativeEngine:
             return None
         fits = len(full_trees := self._full_trees(len(seqs)))
         choice = self._choose(len(seqs), full_trees, True)
-        plans = {s.id: self._plan(s, choice) for s in seqs}
+        plans = {s.id: self._planned(s, choice) for s in seqs}
         if (self.drafters or self.lookup) and any(plans.values()):
             self.chosen = (len(seqs), choice)  # the next iteration drafts on it
             return None
@@ -812,14 +884,14 @@ class SpeculativeEngine:
         """Draft tokens the request can still use: a step emits the accepted path plus one token."""
         return max(0, seq.request.max_new_tokens - len(seq.generated) - 1)
 
-    def _plan(self, seq: Sequence, choice: Choice) -> list[int]:
+    def _planned(self, seq: Sequence, choice: Choice) -> list[int]:
         """The request's expansion config this step: its own if fixed, else the server's first
         `choice.depth` levels."""
         expansion = self.expansion[: choice.depth] if seq.expansion is None else seq.expansion
         return expansion[: self._room(seq)]
 
     def _why_no_plan(self, seq: Sequence, batch_size: int, fits: int) -> str:
-        """Why `_plan` gave the request no tree this step, in words for its usage report (`fits`:
+        """Why `_planned` gave the request no tree this step, in words for its usage report (`fits`:
         how many levels of the server's expansion the tree budget allows at this batch size)."""
         if seq.expansion == []:
             return "speculation off for this request"
@@ -839,7 +911,7 @@ class SpeculativeEngine:
         it chose lookup's chain first and lookup found none for the request (the SSMs stand in)."""
         return choice.speculators or seq.expansion is not None or not chain
 
-    async def _draft(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
+    async def _drafted_trees(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
                      ) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
             dict[str, tuple[list[int], int]], tuple[int, int, set[str], float]]:
@@ -854,7 +926,7 @@ class SpeculativeEngine:
         reason for having no tree is counted for it."""
         drafting, first = [], {}  # first: those planned a tree at their prompt's step, undrafted (FIRST_TOKEN_FIRST)
         for s in batch:
-            if ((plan := self._plan(s, choice)) and self.controller is not None and s.expansion is None and not s.steps
+            if ((plan := self._planned(s, choice)) and self.controller is not None and s.expansion is None and not s.steps
                     and s.id not in predicted):
                 first[s.id] = plan
                 s.no_tree[FIRST_TOKEN_FIRST] += 1

@@ -6,7 +6,7 @@ llguidance for the LLM's tokenizer. llguidance was chosen by measurement over xg
 (bench/results/grammar_engines_cpu.md): its compile time stays at a few milliseconds where xgrammar
 took seconds on a schema with `maxLength`, it refuses keywords it cannot enforce (xgrammar ignored
 `uniqueItems`), accepts every escape inside patterned strings and keeps special tokens out of
-strings; its mask costs ~12 us a token, far below a step.
+strings; its mask costs far less than a step (the same record).
 
 Each step of a constrained request:
   - every node of the drafters' merged tree is checked against its path's grammar state: a node

@@ -1,4 +1,7 @@
-"""Our decoding modes in-process (the core Engine), one request at a time like the peers."""
+"""Our decoding modes in-process (the core Engine), one request at a time like the peers.
+
+No command of its own: a part of `specinfer bench` (`python -m specinfer_cli bench`).
+"""
 
 from __future__ import annotations
 

@@ -50,8 +50,7 @@ from triton.runtime import driver  # noqa: E402
 from specinfer_kernels.fused_triton import add_rms_norm_triton, rotary_qkv_triton, silu_mul_triton  # noqa: E402
 from specinfer_kernels.tree_attention_triton import TileConfig, default_config, tree_attention_triton  # noqa: E402
 
-from .kernel import attention_case  # noqa: E402
-from .kernel_sweep import GPU_AXES  # noqa: E402
+from .attention_cases import GPU_AXES, attention_case  # noqa: E402
 from .report import command_line, machine  # noqa: E402
 
 # shared memory a block may use (CUDA's sharedMemPerBlockOptin) and SMs, per compute capability

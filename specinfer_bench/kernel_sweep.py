@@ -8,8 +8,8 @@ the best so far, and a better one replaces it (better: more cells >= 1.0x, then 
 mean of its ratios to SDPA); passes repeat until one changes nothing or the time budget
 (`--seconds`) runs out, which stops the sweep cleanly with what it has (a configuration cut short
 counts as incomplete). On a GPU the configurations an axis is about to try are first compiled side by side
-in worker processes (`kernel_compile.Precompiler`: one process compiles a variant in 2-5 s at head dim 128,
-which would spend the budget compiling), then timed one by one from Triton's cache. Each variant's output on a cell is checked against the reference before it is
+in worker processes (`kernel_compile.Precompiler`: compiling them one by one would spend the budget
+compiling, bench/results/kernel_compile_sm90.md), then timed one by one from Triton's cache. Each variant's output on a cell is checked against the reference before it is
 timed: a wrong one is recorded as wrong, not timed; one that does not compile or launch (shared
 memory, registers) is recorded with Triton's error. Every compiled variant's registers, spills and
 shared memory come from Triton's handle (null under the interpreter, which compiles nothing).
@@ -47,17 +47,14 @@ import triton  # noqa: E402
 from specinfer_kernels import tree_attention_reference  # noqa: E402
 from specinfer_kernels.tree_attention_triton import TOLERANCE, TileConfig, tree_attention_triton  # noqa: E402
 
+from .attention_cases import GPU_AXES, attention_case, card_peak_gbps, kv_bytes, sdpa_ms, timed_ms  # noqa: E402
 from .gpu_summary import per_kernel  # noqa: E402
-from .kernel import attention_case, card_peak_gbps, kv_bytes, sdpa_ms, timed_ms  # noqa: E402
 from .report import command_line, machine  # noqa: E402
 
 GPU_CELLS = [(16384, 1, 64), (8192, 16, 8), (2048, 64, 8), (512, 1, 1), (2048, 16, 1), (16384, 256, 8), (512, 256, 64)]
 CPU_CELLS = [(40, 1, 1), (24, 6, 2)]
 GPU_HEADS = dict(hq=32, hkv=8, d=128)  # Llama-3-8B
 CPU_HEADS = dict(hq=4, hkv=2, d=32)
-# each axis holds the default's value, so a pass can always keep it
-GPU_AXES = {"block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4], "block_m": [32, 64, 128],
-            "per_sm": [1, 2, 4, 8]}
 CPU_AXES = {"block_n": [32, 64]}
 
 

@@ -29,7 +29,7 @@ from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import DraftGroup, TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 
-from .kernel import random_tree
+from .attention_cases import random_tree
 from .report import command_line, machine, median_ms
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::resolve_neg")  # item(); value-sized outputs; tolist(), numpy()

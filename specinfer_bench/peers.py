@@ -1,6 +1,9 @@
 """The baselines a user has without us, run through transformers on the same checkpoints:
 incremental `generate`, and assisted generation (sequence speculative decoding) with an SSM as
-the assistant. One request at a time, as transformers serves them."""
+the assistant. One request at a time, as transformers serves them.
+
+No command of its own: a part of `specinfer bench` (`python -m specinfer_cli bench`).
+"""
 
 from __future__ import annotations
 

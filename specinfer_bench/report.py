@@ -1,4 +1,7 @@
-"""Tables and plots of the benchmark results."""
+"""Tables and plots of the benchmark results.
+
+No command of its own: every benchmark writes its tables and plots through it.
+"""
 
 from __future__ import annotations
 

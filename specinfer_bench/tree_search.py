@@ -17,6 +17,8 @@ Cost model (measured on this machine at batch 1): a step costs the verifier's fo
 with verify and draft timed at a grid of row counts and linearly interpolated between them: on a
 CPU a step's cost is not linear in its rows (a few rows cost about what one does: per-op overhead
 and oneDNN's products, Dense.pack), so a straight line through few sizes would misjudge the small trees.
+
+Run alone: `specinfer bench --search-tree`.
 """
 
 from __future__ import annotations

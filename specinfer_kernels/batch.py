@@ -188,7 +188,7 @@ def batch_shapes(queries: int, requests: int, words: int, blocks: int) -> Shapes
             "q_starts": (requests + 1,), "tree_bits": (queries, words), "block_tables": (max(requests, 1), blocks)}
 
 
-SMALL_TREES = 128  # nodes in all, up to which a Python loop is faster than numpy's rounds (about 20 µs at least)
+SMALL_TREES = 128  # nodes in all, up to which a Python loop is faster than numpy's rounds
 
 
 def ancestor_words(trees: list[list[int]], sizes: np.ndarray, words: int, last: np.ndarray | None = None) -> np.ndarray:

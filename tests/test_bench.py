@@ -351,3 +351,30 @@ def test_divergence_compares_position_by_position():
     assert compare([1, 2, 3], [1, 2, 3]) == (1.0, None)
     assert compare([1, 2, 3, 4], [1, 9, 3, 4]) == (0.75, 1)
     assert compare([1, 2], [1, 2, 5]) == (1.0, 2)  # one stopped earlier: they differ where it stopped
+
+
+def test_no_benchmark_module_imports_one_that_imports_it_back():
+    """What modules share lives in one they all import (attention_cases), never in a circle, counting
+    imports inside functions too."""
+    import ast
+
+    mods = {p.stem: p for p in (ROOT / "specinfer_bench").glob("*.py")}
+    imports = {}
+    for name, path in mods.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                module = node.module if node.level == 0 else f"specinfer_bench.{node.module}"
+                found.add(module.removeprefix("specinfer_bench.").split(".")[0])
+        imports[name] = found & set(mods) - {name}
+    assert imports["kernel_compile"] and imports["kernel_sweep"]  # the scan sees their imports
+
+    def reached(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in imports[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert [m for m in mods if m in reached(m)] == []

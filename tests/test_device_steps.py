@@ -30,7 +30,7 @@ from specinfer.verifier import Verifier, VerifyRequest
 from specinfer import acceptance
 from specinfer.acceptance import verify_batch
 from specinfer_bench import ops
-from specinfer_bench.kernel import random_tree
+from specinfer_bench.attention_cases import random_tree
 from specinfer_rpc.convert import tree_from_pb
 from specinfer_rpc.launch import System
 from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc

@@ -29,7 +29,7 @@ from specinfer.speculator import DraftRequest, Speculator
 from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_bench import ops
-from specinfer_bench.kernel import random_tree
+from specinfer_bench.attention_cases import random_tree
 
 from .conftest import MODELS
 from .test_device_steps import same_tree

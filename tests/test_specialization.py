@@ -23,7 +23,7 @@ from triton.runtime.jit import native_specialize_impl
 
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import LlamaModel, StepInput
-from specinfer_bench.kernel import random_tree
+from specinfer_bench.attention_cases import random_tree
 from specinfer_kernels import fused_triton, tree_attention_triton
 
 from .conftest import MODELS

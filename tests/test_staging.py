@@ -19,7 +19,7 @@ import torch
 
 from specinfer.graphs import GraphConfig, StepRunner
 from specinfer.model import Layout, LlamaModel, StepInput
-from specinfer_bench.kernel import random_tree
+from specinfer_bench.attention_cases import random_tree
 from specinfer_kernels import Capacity, Staging
 
 from .conftest import MODELS
