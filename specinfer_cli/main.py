@@ -154,14 +154,33 @@ def cmd_generate(args) -> int:
             print_summary(mode, gens, seconds)
         if compare:
             (gens, seconds), (plain, plain_seconds) = results.values()
-            same = [g.token_ids for g in gens] == [g.token_ids for g in plain]
             ratio = (sum(len(g.token_ids) for g in gens) / seconds) / (sum(len(g.token_ids) for g in plain) / plain_seconds)
-            print(f"speculation ({args.mode}) ran at {ratio:.2f}x the tokens/s of no speculation; outputs "
-                  f"{'identical' if same else 'differ (sampling: each is a correct sample)'}", file=sys.stderr)
+            verdict, failed = compared_outputs(gens, plain, exact=not args.mss)
+            print(f"speculation ({args.mode}) ran at {ratio:.2f}x the tokens/s of no speculation; outputs {verdict}",
+                  file=sys.stderr)
+            if failed:
+                return 1
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def compared_outputs(gens: list[Generation], plain: list[Generation], exact: bool) -> tuple[str, bool]:
+    """What --compare-off saw: "identical", or where the first request that differs first differs, and
+    whether that is a failure. Greedy and seeded sampling (`exact`) must give the tokens of no speculation
+    whatever the trees; only multi-step speculative sampling (--mss) draws other, equally correct samples."""
+    for g, p in zip(gens, plain):
+        if g.token_ids != p.token_ids:
+            i = next((k for k, (a, b) in enumerate(zip(g.token_ids, p.token_ids)) if a != b),
+                     min(len(g.token_ids), len(p.token_ids)))
+            token = lambda ids: str(ids[i]) if i < len(ids) else "the end"  # noqa: E731
+            where = (f"request {g.id} first differs at generated token {i}: {token(g.token_ids)} with speculation, "
+                     f"{token(p.token_ids)} without")
+            if exact:
+                return f"DIFFER, a failure (greedy or seeded: they must be identical): {where}", True
+            return f"differ (multi-step speculative sampling: each is a correct sample): {where}", False
+    return "identical", False
 
 
 Run = Callable[[list[dict]], tuple[list[Generation], list[str], float]]

@@ -283,3 +283,19 @@ def test_compare_off_runs_the_modes_in_rounds_that_take_turns_and_adds_each_mode
         gens, total = out[mode]
         assert [g.id for g in gens] == [r["id"] for r in records]
         assert total == pytest.approx(3 * seconds)
+
+
+def test_compare_off_names_the_first_difference_and_fails_a_greedy_or_seeded_one_but_not_an_mss_sample():
+    from specinfer.generate import Generation
+    from specinfer_cli.main import compared_outputs
+
+    plain = [Generation("a", [5, 6, 7]), Generation("b", [1, 2, 3]), Generation("c", [4])]
+    assert compared_outputs([Generation(g.id, list(g.token_ids)) for g in plain], plain, exact=True) == ("identical", False)
+    flipped = [Generation("a", [5, 6, 7]), Generation("b", [1, 9, 3]), Generation("c", [8])]
+    verdict, failed = compared_outputs(flipped, plain, exact=True)
+    assert failed and verdict.startswith("DIFFER, a failure")
+    assert verdict.endswith("request b first differs at generated token 1: 9 with speculation, 2 without")
+    verdict, failed = compared_outputs(flipped, plain, exact=False)  # --mss: another correct sample
+    assert not failed and "each is a correct sample" in verdict and "request b" in verdict
+    shorter = [Generation("a", [5, 6])] + plain[1:]  # one stopped early
+    assert compared_outputs(shorter, plain, exact=True)[0].endswith("token 2: the end with speculation, 7 without")
