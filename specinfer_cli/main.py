@@ -12,6 +12,7 @@ apart from where requests run, so the same flags serve a remote server.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -372,10 +373,8 @@ def cmd_train_head(args) -> int:
         if args.score_only:
             report = score_head(args.llm, args.out, heldout, args.device, args.score_tokens)
         else:
-            report = train_head(HeadRun(
-                args.llm, args.out, args.requests, args.count, args.write, heldout, args.new_tokens, args.temperature,
-                args.generate_batch, args.generate_minutes, args.draft_vocab, args.ttt, args.epochs, args.steps, args.batch, args.lr,
-                args.noise, args.minutes, args.score_tokens, args.device, args.seed))
+            report = train_head(HeadRun(**{f.name: heldout if f.name == "heldout" else getattr(args, f.name)
+                                           for f in dataclasses.fields(HeadRun)}))
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     print(json.dumps(report, indent=2))
@@ -402,6 +401,11 @@ def add_train_head_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generate-batch", type=positive_int, default=64, help="requests decoded at once")
     p.add_argument("--generate-minutes", type=float, default=0.0,
                    help="no new batch of replies starts after this; training takes what is there (0: all)")
+    p.add_argument("--generate-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="of the replies' decoding (auto: bfloat16 on a GPU or a CPU with AMX, else float32)")
+    p.add_argument("--replies", type=Path, default=None,
+                   help="the replies' file, appended to and read back (default: OUT/train/replies.jsonl.gz)")
+    p.add_argument("--generate-only", action="store_true", help="make the replies and stop")
     p.add_argument("--draft-vocab", type=positive_int, default=8192, help="tokens the head drafts from: those the replies use most")
     p.add_argument("--ttt", type=positive_int, default=3, help="training-time test: drafts of each chain trained")
     p.add_argument("--epochs", type=float, default=6.0)

@@ -56,7 +56,6 @@ class ServiceFailed(RuntimeError):
     def __init__(self, service: Service, code: int):
         error = service.last_error()
         super().__init__(f"{service.name} failed at start (exit code {code})" + (f": {error}" if error else ""))
-        self.service = service
 
 
 FRONT = ("gateway_svc", "manager_svc")  # what clients call; stopped before the services they call

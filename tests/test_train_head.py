@@ -14,8 +14,10 @@ import pytest
 from specinfer.checkpoints import BASE, checkpoint_dir, default_requests, models_dir, write_base
 from specinfer.eagle import EagleHead
 from specinfer.generate import Engine, Mode, Request
+from specinfer.head_training import RepliesFile, replies, weighted_order
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
+from specinfer.sampling import SamplingParams
 
 from .conftest import MODELS, ROOT
 from .test_gguf import write_gguf
@@ -44,7 +46,7 @@ def trained(tmp_path_factory, heldout_prompts):
     heldout.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"][-120:]}) + "\n" for r in heldout_prompts[:2]))
     out = tmp / "head"
     train_head(out, requests, heldout, 4)
-    replies = {p: p.stat().st_mtime_ns for p in (out / "train" / "replies").iterdir()}
+    replies = (out / "train" / "replies.jsonl.gz").stat().st_mtime_ns
     train_head(out, requests, heldout, 8)
     return out, read_prompt_file(heldout), replies
 
@@ -56,7 +58,7 @@ def logged_losses(out: Path) -> list[dict]:
 def test_a_rerun_continues_training_where_the_run_stopped(trained):
     out, _, replies = trained
     assert [r["step"] for r in logged_losses(out)] == list(range(8))  # steps 0-3, then 4-7: none twice
-    assert {p: p.stat().st_mtime_ns for p in (out / "train" / "replies").iterdir()} == replies  # not generated again
+    assert (out / "train" / "replies.jsonl.gz").stat().st_mtime_ns == replies  # not generated again
     assert json.loads((out / "agreement.json").read_text())["steps"] == 8
 
 
@@ -110,3 +112,52 @@ def test_the_request_set_is_large_and_holds_no_heldout_request():
     heldout = {text(r) for f in models_dir().rglob("*.jsonl") if f != default_requests() for r in read_prompt_file(f)}
     assert len(heldout) >= 64
     assert not {text(r) for r in train} & heldout
+
+
+def test_replies_file_drops_a_batch_cut_short_and_refuses_other_flags(tmp_path):
+    store = RepliesFile(tmp_path / "r.jsonl.gz", {"llm": "x", "new_tokens": 8})
+    store.append([("a", [1, 2]), ("b", [3])])
+    whole = store.path.stat().st_size
+    store.append([("c", [4, 5, 6])])
+    assert store.read() == {"a": [1, 2], "b": [3], "c": [4, 5, 6]}
+    with open(store.path, "r+b") as f:  # the second batch's member cut short, as a run killed mid-write leaves it
+        f.truncate(store.path.stat().st_size - 5)
+    assert store.read() == {"a": [1, 2], "b": [3]}
+    assert store.path.stat().st_size == whole
+    store.append([("c", [4, 5, 6])])  # appends after the good members
+    assert store.read()["c"] == [4, 5, 6]
+    with pytest.raises(ValueError, match="new_tokens=8, not 16"):
+        RepliesFile(store.path, {"llm": "x", "new_tokens": 16}).read()
+
+
+def test_replies_resume_where_a_run_stopped_and_equal_one_run(tmp_path):
+    """Replies made in two runs (the first stopped after its first batch) are those of one run, and the second
+    run decodes only the requests the first did not reach."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(MODELS / "llm")
+    records = [{"id": f"r{i}", "prompt": f"def f{i}(x):\n    return"} for i in range(5)]
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in records]
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    made = []
+
+    def model():
+        made.append(1)
+        return llm
+
+    meta = {"llm": "fixture", "new_tokens": 6}
+    whole = replies(model, records, prompts, 6, SamplingParams(), RepliesFile(tmp_path / "one.gz", meta), 2)
+    two = RepliesFile(tmp_path / "two.gz", meta)
+    first = replies(model, records[:2], prompts[:2], 6, SamplingParams(), two, 2)
+    assert len(first) == 2
+    assert replies(model, records, prompts, 6, SamplingParams(), two, 2) == whole
+    assert len(made) == 3
+    assert replies(model, records, prompts, 6, SamplingParams(), two, 2) == whole and len(made) == 3  # nothing to decode
+
+
+def test_the_order_weights_general_requests_up():
+    records = [{"id": f"{kind}-{n}"} for n in range(2000) for kind in ("general", "code")]
+    first = weighted_order(records, 0)[: len(records) // 4]
+    general = sum(r["id"].startswith("general-") for r in first) / len(first)
+    assert general > 0.6  # weight 2 against 1: about 65% of the first quarter, against 50% of the whole
+    assert sorted(map(str, weighted_order(records, 0))) == sorted(map(str, records))
