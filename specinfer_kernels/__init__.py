@@ -16,33 +16,46 @@ import torch
 
 from .batch import Capacity, Needs, RequestView, Staging, TreeBatch
 from .fused import add_rms_norm_reference, rotary_qkv_reference, silu_mul_reference
+from .invariant import tree_attention_invariant
 from .reference import tree_attention_reference
 
-__all__ = ["Capacity", "Needs", "RequestView", "Staging", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "rotary_qkv",
+__all__ = ["Capacity", "Needs", "RequestView", "Staging", "TreeBatch", "add_rms_norm", "add_rms_norm_reference", "backend", "row_invariant", "rotary_qkv",
            "rotary_qkv_reference", "rotary_qkv_store", "silu_mul", "silu_mul_reference", "tree_attention",
            "tree_attention_reference"]
 
 BACKENDS = ("auto", "triton", "reference")
+ATTENTION_BACKENDS = (*BACKENDS, "invariant")  # tree attention's: also the row-invariant one (invariant.py)
 
 
 def backend(device: torch.device, variable: str = "SPECINFER_TREE_ATTENTION") -> str:
-    """'triton' or 'reference': what the functions that `variable` governs (SPECINFER_TREE_ATTENTION:
-    `tree_attention`; SPECINFER_FUSED: the fused elementwise kernels) run for tensors on `device`."""
+    """'triton', 'reference' (or for tree attention 'invariant'): what the functions that `variable`
+    governs (SPECINFER_TREE_ATTENTION: `tree_attention`; SPECINFER_FUSED: the fused elementwise kernels)
+    run for tensors on `device`."""
     choice = os.environ.get(variable, "auto")
-    if choice not in BACKENDS:
-        raise ValueError(f"{variable}: {choice!r} is not one of {BACKENDS}")
+    allowed = ATTENTION_BACKENDS if variable == "SPECINFER_TREE_ATTENTION" else BACKENDS
+    if choice not in allowed:
+        raise ValueError(f"{variable}: {choice!r} is not one of {allowed}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else "reference"
     return choice
+
+
+def row_invariant() -> bool:
+    """Whether SPECINFER_TREE_ATTENTION=invariant: the forward pass keeps a row's bits whatever the
+    shape of its step (attention: invariant.py; projections also pad a one-row product: model.Dense)."""
+    return os.environ.get("SPECINFER_TREE_ATTENTION") == "invariant"
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
                    scale: float | None = None) -> torch.Tensor:
     """q [N, Hq, D]; k_cache, v_cache [n_blocks, block_size, Hkv, D]; see batch.py for which keys
     each query sees. Returns [N, Hq, D] in q's dtype."""
-    if backend(q.device) == "triton":
+    choice = backend(q.device)
+    if choice == "triton":
         from .tree_attention_triton import tree_attention_triton
         return tree_attention_triton(q, k_cache, v_cache, batch, scale)
+    if choice == "invariant":
+        return tree_attention_invariant(q, k_cache, v_cache, batch, scale)
     return tree_attention_reference(q, k_cache, v_cache, batch, scale)
 
 

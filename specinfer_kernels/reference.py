@@ -89,21 +89,27 @@ def _groups(sizes: list[tuple[int, int]]) -> list[list[int]]:
     return groups
 
 
+def live_groups(batch: TreeBatch) -> tuple[list[int], list[tuple[int, int]], list[list[int]]]:
+    """The batch's query starts, each live request's (queries, keys), and the groups (`_groups`) of
+    those with queries (none: no query)."""
+    seq_lens, q_starts = batch.host_seq_lens.tolist(), batch.host_q_starts.tolist()
+    live = sum(1 for n in seq_lens if n > 0)
+    sizes = [(q_starts[b + 1] - q_starts[b], seq_lens[b]) for b in range(live)]
+    members = [[b for b in g if sizes[b][0]] for g in _groups(sizes)] if q_starts[live] else []
+    return q_starts, sizes, [g for g in members if g]
+
+
 def _plan(batch: TreeBatch) -> list[Group]:
     """What every layer's call shares, from the batch alone: its groups of live requests with
     queries. This batch's own sizes, not a capacity's bounds: the reference never runs inside a
     graph. A padded batch's empty slots and padding request (no keys) come last; their rows stay
     zeros."""
-    seq_lens, q_starts = batch.host_seq_lens.tolist(), batch.host_q_starts.tolist()
-    live = sum(1 for n in seq_lens if n > 0)
-    n_real = q_starts[live]
-    if n_real == 0:
+    q_starts, sizes, members = live_groups(batch)
+    if not members:
         return []
     device = batch.causal.device
-    sizes = [(q_starts[b + 1] - q_starts[b], seq_lens[b]) for b in range(live)]
-    members = [[b for b in g if sizes[b][0]] for g in _groups(sizes)]
-    members = [g for g in members if g]
-    visible = batch.visible(max(seq_lens[:live]))[:n_real]
+    live, n_real = len(sizes), q_starts[len(sizes)]
+    visible = batch.visible(max(n for _, n in sizes))[:n_real]
     if len(members) == 1:  # the whole batch in its own order: no gathering of queries
         members = [list(range(live))]
     out = []

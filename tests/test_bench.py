@@ -378,3 +378,17 @@ def test_no_benchmark_module_imports_one_that_imports_it_back():
         return seen
 
     assert [m for m in mods if m in reached(m)] == []
+
+
+def test_the_invariance_probe_names_where_a_row_gets_other_bits(tmp_path):
+    from specinfer_bench import invariance
+
+    invariance.main(["--llm", str(MODELS / "llm"), "--out", str(tmp_path / "inv")])
+    report = json.loads((tmp_path / "inv.json").read_text())
+    cases = {"tree node", "beside another request", "row of a 300-row prompt"}
+    assert set(report["model"][str(MODELS / "llm")]) == cases
+    invariant = report["model, invariant attention"][str(MODELS / "llm")]
+    for case in cases:  # none differs with the invariant attention, or it refused to run, saying why
+        assert invariant[case]["first_differing_op"] is None or invariant[case]["first_differing_op"].startswith("refused: ")
+    assert report["dense"]["row counts (1..600) where row 0 differs from row 0 alone"] == []
+    assert "## Elementwise" in (tmp_path / "inv.md").read_text()

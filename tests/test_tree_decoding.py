@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specinfer.model import DRAFT_VOCAB, LlamaModel, StepInput
+from specinfer.model import DRAFT_VOCAB, Dense, LlamaModel, StepInput
 from specinfer.tree import TokenTree, dfs_order, reorder
 
 from .conftest import path_to, save_random_llama
@@ -179,14 +179,23 @@ def test_bad_draft_vocabulary_is_refused_naming_the_file(tiny_pair, tmp_path, co
         LlamaModel.from_pretrained(draft_vocab_dir(tmp_path, llm_dir, content))
 
 
+@pytest.mark.parametrize("d_in", [None, 1536])  # None: the fixture's gate/up; 1536: SmolLM2's down projection's inputs
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 32, 33, 48, 100, 256, 300, 600])
-def test_projections_are_x_times_w_and_each_row_its_own(tiny_pair, rows):
+def test_projections_are_x_times_w_and_each_row_its_own(tiny_pair, rows, d_in, monkeypatch):
     """A layer's projections multiply by W in oneDNN's layout (Dense.pack), zero-padded to a row bucket
     past Dense.PACKED_ROWS, in slices of the largest bucket beyond it: every row count gives x @ W up to
     rounding, and each row of a product is bit for bit that row multiplied alone, so a tree node's or a
-    prompt chunk's projections do not depend on the rows beside it."""
+    prompt chunk's projections do not depend on the rows beside it. With 1,536 inputs this needs the
+    row-invariant mode, which pads a one-row product (oneDNN's sums in another order alone)."""
+    if d_in is not None:
+        monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "invariant")
     _, llm_dir, _ = tiny_pair
     dense = LlamaModel.from_pretrained(llm_dir).layers[0].gate_up
+    if d_in is not None:
+        weight = torch.randn(d_in, 96, generator=torch.Generator().manual_seed(d_in)) / d_in ** 0.5
+        dense = Dense(d_in, 96, bias=False)
+        dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+        dense.pack()
     assert (dense.packed is not None) == torch.backends.mkldnn.is_available()
     x = torch.randn(rows, dense.weight.shape[0], generator=torch.Generator().manual_seed(rows))
     y = dense(x)

@@ -1,0 +1,116 @@
+"""Row-invariant verification (SPECINFER_TREE_ATTENTION=invariant, `specinfer_kernels/invariant.py`): a
+position's float32 logits are the same bits however the step that computes it is shaped: a one-row
+step, a row of a prompt or of a chunk of it, a node of a tree of any shape, beside other requests. Where
+this CPU's BLAS does not keep what the backend relies on, the backend refuses to run, naming why."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel, StepInput
+from specinfer_kernels import invariant
+from specinfer_kernels.invariant import blas_keeps_rows, tree_attention_invariant
+from specinfer_kernels.reference import tree_attention_reference
+
+from .conftest import MODELS
+from .test_kernels import CASES, make_case, random_parents
+
+BROKEN = blas_keeps_rows("cpu", torch.float32)  # None where the backend runs
+
+
+@pytest.fixture
+def llm(monkeypatch) -> LlamaModel:
+    monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "invariant")
+    return LlamaModel.from_pretrained(MODELS / "llm")
+
+
+def refused(run) -> bool:
+    """Where the BLAS does not keep rows: `run` raises, naming why (True: nothing more to check)."""
+    if BROKEN is None:
+        return False
+    with pytest.raises(RuntimeError, match="row-invariant tree attention is not available here"):
+        run()
+    return True
+
+
+def every_row(model: LlamaModel, tokens: list[int], chunk: int | None = None) -> torch.Tensor:
+    """The logits after each token of `tokens` [len, V], as one prompt (or in chunks of `chunk` rows)."""
+    cache = model.new_pool(4096).new_cache()
+    chunk = chunk or len(tokens)
+    return torch.cat([model([StepInput(cache, tokens[i: i + chunk], [], [], every_row=True)])
+                      for i in range(0, len(tokens), chunk)])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_a_prompts_rows_are_the_bits_of_one_row_steps(llm, chunk):
+    """A prompt's logits, row by row, as one prompt (300 rows: past the projections' largest row bucket) and
+    in chunks of 64, 7 and 1 rows (100 rows: one-row steps are slow)."""
+    tokens = [random.Random(chunk).randrange(llm.cfg.vocab_size) for _ in range(100 if chunk == 1 else 300)]
+    if refused(lambda: every_row(llm, tokens)):
+        return
+    assert torch.equal(every_row(llm, tokens, chunk), every_row(llm, tokens))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_tree_node_in_a_batch_has_the_bits_of_its_path_as_a_prompt(llm, seed):
+    """Requests with random prefixes, a bonus token or none, and trees of random shapes, in one step:
+    each node's logits are bit for bit the last row of its path decoded as a prompt of its own."""
+    rng = random.Random(seed)
+    V = llm.cfg.vocab_size
+    pool = llm.new_pool(8192)
+    items, paths = [], []
+    for _ in range(4):
+        prefix = [rng.randrange(V) for _ in range(rng.randrange(1, 150))]
+        cache = pool.new_cache()
+        llm([StepInput(cache, prefix[:-1], [], [])]) if len(prefix) > 1 and rng.random() < 0.5 else None
+        new = prefix[cache.length:]
+        parents = random_parents(rng, rng.randrange(1, 40), rng.choice(["chain", "wide", "random"]))
+        tokens = [rng.randrange(V) for _ in parents]
+        items.append(StepInput(cache, new, tokens, parents))
+        for u in range(len(parents)):
+            path = []
+            while u >= 0:
+                path.append(tokens[u])
+                u = parents[u]
+            paths.append(prefix + path[::-1])
+    if refused(lambda: llm(items)):
+        return
+    out = llm(items)
+    node_rows = torch.cat([out[sum(it.n_rows for it in items[:i]) + 1: sum(it.n_rows for it in items[: i + 1])]
+                           for i in range(len(items))])
+    for row, path in zip(node_rows, paths):
+        assert torch.equal(row, every_row(llm, path)[-1])
+
+
+def test_greedy_speculation_at_16_streams_is_the_bits_of_plain_decoding_alone(llm):
+    prompts = [[random.Random(i).randrange(llm.cfg.vocab_size) for _ in range(5 + 3 * i)] for i in range(16)]
+    requests = [Request(p, 16, id=str(i)) for i, p in enumerate(prompts)]
+    plain = Engine(llm, mode=Mode.INCREMENTAL)
+    if refused(lambda: plain.generate(requests[:1])):
+        return
+    alone = [plain.generate([r])[0] for r in requests]
+    ssms = [LlamaModel.from_pretrained(MODELS / name) for name in ("ssm-0", "ssm-1")]
+    together = Engine(llm, ssms=ssms, mode=Mode.MERGED, expansion=[2, 2, 1], lookup=True).generate(requests)
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert sum(g.tree_steps for g in together) > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_invariant_attention_is_attention(case):
+    """The same attention as the reference (another order of its sums), on the kernel tests' batches."""
+    q, k, v, batch, _, _ = make_case(hash(case) % 1000, CASES[case], hkv=2, group=2, d=32, dtype=torch.float32)
+    if refused(lambda: tree_attention_invariant(q, k, v, batch)):
+        return
+    torch.testing.assert_close(tree_attention_invariant(q, k, v, batch), tree_attention_reference(q, k, v, batch),
+                               atol=2e-6, rtol=0)
+
+
+def test_where_the_blas_does_not_keep_rows_the_backend_refuses_naming_why(monkeypatch):
+    q, k, v, batch, _, _ = make_case(0, CASES["ragged_batch"], hkv=2, group=2, d=32, dtype=torch.float32)
+    monkeypatch.setattr(invariant, "blas_keeps_rows", lambda *_: "a row of a product gets other bits by the rows beside it")
+    with pytest.raises(RuntimeError, match="not available here: a row of a product gets other bits by the rows"):
+        tree_attention_invariant(q, k, v, batch)
