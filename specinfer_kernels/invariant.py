@@ -23,7 +23,7 @@ order fixed by the query's own context:
 What this relies on of the BLAS (x @ W, MKL on x86), for products of at least 2 rows: a row's result
 does not depend on the rows or columns beside it, in a batched product too, and the sum over k of up to
 MAX_PLACES terms is one chain in k's order, so zero terms inserted among or appended to it leave it
-unchanged. `blas_keeps_rows` checks that once per process, and the first call refuses to run where it
+unchanged; and of exp, that an element's result does not depend on where it falls in the tensor. `blas_keeps_rows` checks that once per process, and the first call refuses to run where it
 does not hold (`python -m specinfer_bench.invariance` probes more of it).
 """
 
@@ -165,4 +165,8 @@ def blas_keeps_rows(device: str, dtype: torch.dtype) -> str | None:
         spread[:, at], vs[at] = p, v
         if not (torch.equal(appended[0], one) and torch.equal((spread @ vs)[0], one)):
             return f"a product's sum over {k} terms changes with zero terms beside them (not one chain in order)"
+    x = rand(1000) * 4
+    whole = torch.exp(x)
+    if not all(torch.equal(torch.exp(x[i: i + n]), whole[i: i + n]) for i, n in ((0, 5), (3, 37), (500, 31), (1, 999))):
+        return "exp gives an element other bits by where it falls in the tensor (a vectorized loop's tail)"
     return None
