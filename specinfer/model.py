@@ -171,10 +171,11 @@ class Dense(nn.Module):
         bench/results/rows_cpu.md). oneDNN keeps what it builds for every row count it meets
         (over 1-400 distinct counts that grew a process by gigabytes), so it sees at most
         PACKED_ROWS + len(ROW_BUCKETS) counts: up to PACKED_ROWS rows as they are, then padded to the
-        next bucket; beyond the last bucket, in slices of it (MKL's x @ W gives a row other bits by the
-        row count). A row's result does not depend on the other rows of a oneDNN product, bit for bit,
-        so a row's projections equal those of the same row computed alone, in a step of any size: a tree
-        node's, a prompt chunk's. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
+        next bucket; beyond the last bucket x @ W (MKL), which gives a row other bits by the row count,
+        or with `row_invariant` slices of the last bucket (more ops as rows grow, so only where bits must
+        hold). A row's result does not depend on the other rows of a oneDNN product, bit for bit, so a
+        tree node's projections equal those of the same row computed alone, and with `row_invariant` a
+        prompt chunk's too. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
@@ -186,11 +187,16 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if self.packed is None:
-            y = x @ self.weight
-            return y + self.bias if self.bias is not None else y
-        if n > self.ROW_BUCKETS[-1]:
+            return self._plain(x)
+        if n <= self.ROW_BUCKETS[-1]:
+            return self._packed(x)
+        if row_invariant():
             return torch.cat([self._packed(part) for part in x.split(self.ROW_BUCKETS[-1])])
-        return self._packed(x)
+        return self._plain(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         """x W by the packed weight, x of at most the last bucket's rows. With `row_invariant`, one row
