@@ -73,15 +73,20 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "each run in the JSON); an iteration's split from the manager's metrics over the timed runs: the "
              "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads; "
              "below 0 where plain steps are sent ahead), "
-             "the slowest speculator's own drafting, the speculators' hop, and the manager's own work", "",
+             "the slowest speculator's own drafting, the speculators' hop, and the manager's own work; the verifier's "
+             "idle time between two steps of a request (from the end of one to the beginning of the next), by what the "
+             "next step was: plain, a tree drafted after the verdict (miss), a pre-drafted tree (hit)", "",
              "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "
-             "| iteration ms | verifier ms | verifier hop ms | speculator ms | speculator hop ms | manager own ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| iteration ms | verifier ms | verifier hop ms | speculator ms | speculator hop ms | manager own ms "
+             "| verifier idle ms: plain / miss / hit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         vs = f"{r['tokens_per_s'] / off[r['concurrency']]:.2f}x" if r["concurrency"] in off else "-"
+        idle = r.get("verifier_idle_ms", {})
         lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} "
                      f"| {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} "
-                     f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {split_cells(r, 'manager')} |")
+                     f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {split_cells(r, 'manager')} "
+                     f"| {' / '.join(f'{idle[k]:.2f}' if k in idle else '-' for k in ('plain', 'miss', 'hit'))} |")
     return "\n".join(lines) + "\n"
 
 

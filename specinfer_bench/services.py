@@ -197,11 +197,27 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
     return reference, rows
 
 
-def steps_begun_behind(metrics: str) -> float:
-    """The verifier's count of steps begun behind a running one (--overlap), from its /metrics URL."""
+IDLE_KINDS = ("plain", "miss", "hit")  # specinfer_verifier_idle_seconds' labels: what a request's next step was
+
+
+def verifier_counters(metrics: str) -> dict[str, float]:
+    """From the verifier's /metrics URL: its count of steps begun behind a running one (--overlap), and its
+    idle time between two steps of a request, seconds and steps, by what the next step was."""
     text = urllib.request.urlopen(metrics, timeout=10).read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "specinfer_verifier_steps_begun_behind_total")
+    out = dict.fromkeys(["begun_behind", *(f"idle_{k}_{x}" for k in IDLE_KINDS for x in ("s", "n"))], 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "specinfer_verifier_steps_begun_behind_total":
+                out["begun_behind"] += s.value
+            elif s.name in ("specinfer_verifier_idle_seconds_sum", "specinfer_verifier_idle_seconds_count"):
+                out[f"idle_{s.labels['next']}_{'s' if s.name.endswith('sum') else 'n'}"] += s.value
+    return out
+
+
+def idle_ms(counters: dict[str, float]) -> dict[str, float]:
+    """The verifier's mean idle ms between two steps of a request, by what the next step was (where any was)."""
+    return {k: round(1e3 * counters[f"idle_{k}_s"] / counters[f"idle_{k}_n"], 3)
+            for k in IDLE_KINDS if counters[f"idle_{k}_n"]}
 
 
 def engine_counters(metrics: str) -> dict[str, float]:
@@ -250,6 +266,7 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
     system = System(log_dir=logs)
     runs: dict[tuple[str, int], list[dict]] = {}
     timed: dict[tuple[str, int], dict[str, float]] = {}  # each manager's engine counters over its timed runs
+    idle: dict[tuple[str, int], dict[str, float]] = {}  # the verifier's idle counters over each one's timed runs
     managers, shares = {}, {}
     try:
         start = time.perf_counter()
@@ -276,18 +293,20 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
             for (config, c), manager in (order if r % 2 == 0 else order[::-1]):  # in turn first and last
                 sampling = SamplingParams(temperature, seed=r, mss="mss" in config.split("@")[1:])
                 at = r * c * requests_per_stream % len(prompts)  # this round's prompts: the next ones
-                behind, before = steps_begun_behind(verifier.metrics), engine_counters(manager.metrics)
+                seen, before = verifier_counters(verifier.metrics), engine_counters(manager.metrics)
                 report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
                                               max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling,
                                               top_logprobs=LOGPROBS_TOP if "logprobs" in config.split("@")[1:] else None))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
+                now = verifier_counters(verifier.metrics)
                 runs.setdefault((config, c), []).append(
-                    {**report.summary(), "verifier_begun_behind": steps_begun_behind(verifier.metrics) - behind})
-                total = timed.setdefault((config, c), dict.fromkeys(before, 0.0))
-                for k, v in engine_counters(manager.metrics).items():
-                    total[k] += v - before[k]
+                    {**report.summary(), "verifier_begun_behind": now["begun_behind"] - seen["begun_behind"]})
+                for totals, after, was in ((timed, engine_counters(manager.metrics), before), (idle, now, seen)):
+                    total = totals.setdefault((config, c), dict.fromkeys(was, 0.0))
+                    for k, v in after.items():
+                        total[k] += v - was[k]
                 bar.update()
         bar.close()
     finally:
@@ -301,7 +320,8 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         if timed_split["iterations"]:
             stats.update(timed_split)
         rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
-                     "identical_share": shares[config], **{f"manager_{k}": v for k, v in stats.items()}})
+                     "identical_share": shares[config], "verifier_idle_ms": idle_ms(idle[config, c]),
+                     **{f"manager_{k}": v for k, v in stats.items()}})
     return rows
 
 

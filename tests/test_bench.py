@@ -287,6 +287,8 @@ def test_services_bench_of_another_llm_drafts_with_lookup_alone_and_starts_no_sp
     assert sorted(p.stem for p in logs.glob("*.log")) == ["manager-0", "manager-1", "verifier"]
     result = json.loads(out.with_suffix(".json").read_text())
     assert {(r["config"], r["identical_share"]) for r in result["rows"]} == {("off", 1.0), ("2,1,1@16@alone", 1.0)}
+    idle = {r["config"]: r["verifier_idle_ms"] for r in result["rows"]}  # from the verifier's /metrics: only plain steps off
+    assert set(idle["off"]) == {"plain"} and idle["off"]["plain"] >= 0 and set(idle["2,1,1@16@alone"]) <= {"plain", "miss"}
     alone = next(r for r in result["in_process"] if r["config"] == "2,1,1@16@alone")
     assert alone["identical_share"] == 1.0 and alone["tokens"] == 8
 

@@ -94,6 +94,13 @@ def test_scraped_metrics_add_up_to_what_clients_were_streamed(system, heldout_id
     iterations = total(m, "specinfer_batch_size_count")
     assert total(v, "specinfer_verifier_step_seconds_count") == iterations > 0
     assert total(v, "specinfer_verifier_step_seconds_sum") > 0
+    # its wait between two steps of a request: one per step but each request's first, by what the next step
+    # was: the 'off' request's steps are plain, and the trees were drafted after the verdicts they follow
+    idle = "specinfer_verifier_idle_seconds_count"
+    assert total(v, idle) == steps - n
+    assert total(v, idle, next="plain") >= streams[-1].usage.verifier_steps - 1
+    assert total(v, idle, next="miss") > 0 and total(v, idle, next="hit") == 0
+    assert total(v, "specinfer_verifier_idle_seconds_sum", next="miss") > 0
     # the manager's split of its iterations: one per verifier step, the batches the steps had; what it waited
     # for holds what the verifier and the speculators report of their own time (a CPU verifier: no step
     # is sent ahead, so every step runs inside its wait), and both waits fit in the iterations' time

@@ -35,6 +35,10 @@ STEP_TOKENS = Histogram("specinfer_verifier_step_tokens", "tokens through the LL
                         buckets=SIZE_BUCKETS + (512, 1024, 2048, 4096, 8192))
 BEHIND = Counter("specinfer_verifier_steps_begun_behind_total", "steps begun on the device behind a running step, "
                  "before its verdicts were read (--overlap)")
+IDLE = Histogram("specinfer_verifier_idle_seconds", "per request, from the end of its step to the beginning of its "
+                 "next one (0 where the next began behind it, on the device before its verdicts were read), by what "
+                 "the next step was: plain (no tree), miss (a tree drafted after the verdict)", ["next"],
+                 buckets=(.0001, .00025, .0005, .001, .002, .005, .01, .02, .05, .1, .25, 1))
 REQUESTS = Gauge("specinfer_verifier_requests", "requests with a KV cache here")
 KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool (the prefix "
                 "cache's included: evicted when a step needs them)")
@@ -104,6 +108,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.thread = thread  # the one thread that touches the model and the caches
         self.overlap = overlap and getattr(verifier, "chains", False)
         self.running: dict[int, tuple[_Lane, Begun]] = {}  # (model thread) the streams' steps left running
+        self.ended: dict[str, int] = {}  # (model thread) request -> when its last step ended (perf_counter_ns)
         self.streams = 0  # VerifyStreams open (each a manager's)
         self.waits = ModelThread("verifier-waits", 0, verifier.model.device)  # waits for a running step's
         # decision on the GPU (`_watch`), with the model's device current
@@ -192,7 +197,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """A step begun and ended: its batch, its verdicts and its time (ns)."""
         start = time.perf_counter_ns()
         self._admit(release + self._stale(), batch, lengths, None)
-        return batch, self.verifier.step(batch), time.perf_counter_ns() - start
+        self._idle(batch, None)
+        verdicts = self.verifier.step(batch)
+        end = time.perf_counter_ns()
+        self.ended.update((req.request_id, end) for req in batch)
+        return batch, verdicts, end - start
 
     def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
         """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
@@ -219,6 +228,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._end(lane, running)  # (an error there is on the stream already)
         try:
             self._admit(released, batch, lengths, after)
+            self._idle(batch, after)
             begun = self.verifier.begin(batch, after)
         except Exception as e:
             if after is not None:  # the step it was to follow ends first
@@ -261,6 +271,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         now = time.perf_counter_ns()
         self._put(lane, (begun.batch, verdicts, now - max(begun.started_ns, lane.ended_ns)))
         lane.ended_ns = now
+        self.ended.update((req.request_id, now) for req in begun.batch)
+
+    def _idle(self, batch: list[VerifyRequest], after: Begun | None) -> None:
+        """The verifier's wait for each request's step now beginning (IDLE), where it had a step before."""
+        now = time.perf_counter_ns()
+        behind = {req.request_id for req in after.batch} if after is not None else ()
+        for req in batch:
+            if (ended := self.ended.get(req.request_id)) is not None:
+                IDLE.labels(next="miss" if len(req.tree) else "plain").observe(
+                    0.0 if req.request_id in behind else max(0, now - ended) / 1e9)
 
     @staticmethod
     def _put(lane: "_Lane", answer) -> None:
@@ -318,6 +338,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for rid in request_ids:
             self.verifier.release(rid)
             self.last_used.pop(rid, None)
+            self.ended.pop(rid, None)
 
     @rpc_errors
     async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
