@@ -90,6 +90,9 @@ class ManagerConfig(ServerConfig):
                                       "manager's work overlap the verifier's steps instead of standing between them): on, "
                                       "off, or auto: on when the verifier runs on a GPU (on a CPU its threads use every "
                                       "core, and the overlap slows its steps as much as it saves)")
+    draft_ahead: int = option(0, "drafting during verification: the speculators draft each tree's next trees for this "
+                                 "many of the likeliest outcomes of verifying it, and a step whose outcome they drafted "
+                                 "for leaves without waiting for them (greedy requests on fixed trees; 0: off)")
     verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
@@ -137,7 +140,7 @@ async def main(cfg: ManagerConfig) -> None:
                                SpeculationController(lookup=lookup, chain=cfg.lookup_tokens, trees=bool(speculators))
                                if cfg.adaptive and (speculators or lookup) else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
-                               prediction_tokens(vinfo.device))
+                               prediction_tokens(vinfo.device), cfg.draft_ahead)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks,

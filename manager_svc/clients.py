@@ -44,7 +44,8 @@ def verify_request(namespace: str, batch: list[Check], release: list[str]) -> ve
                                        return_logprobs=c.logprobs, top_logprobs=c.top_logprobs,
                                        return_prompt_logprobs=c.prompt_logprobs,
                                        allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only,
-                                       output_start=c.output_start, stop_token_ids=c.stop_ids)
+                                       output_start=c.output_start, stop_token_ids=c.stop_ids,
+                                       predrafted=c.predrafted)
                for c in batch])
 
 
@@ -235,6 +236,8 @@ class SpeculatorClient:
         self.to_release: set[str] = set()
         self.retry_at = 0.0
         self.draft_ns = 0  # the speculator's own time in the last exchange
+        self.ahead: dict[str, dict[tuple[int, ...], TokenTree]] = {}  # the last exchange's trees drafted ahead
+        self.pending: asyncio.Future | None = None  # reading them (the exchange's second response)
         self.feature_layers: tuple[int, ...] = ()  # a feature speculator's (SpeculatorInfo), read as the stream opens
         self.model_names: list[str] = []  # what it hosts (SpeculatorInfo), likewise
 
@@ -281,13 +284,42 @@ class SpeculatorClient:
     def release(self, request_id: str) -> None:
         """Free the request on the speculator with the next message (a draft may be in flight)."""
         self.told.pop(request_id, None)
+        self.ahead.pop(request_id, None)
         if self.call is not None:
             self.to_release.add(request_id)
 
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
-        """Trees by request id; empty when the speculator cannot answer now."""
+        """Trees by request id; empty when the speculator cannot answer now. Where some draft asks to draft
+        ahead, the trees drafted ahead come after (`drafted_ahead`)."""
         async with self.exchange:
+            await self._settled()
             return await self._draft(drafts)
+
+    async def drafted_ahead(self) -> dict[str, dict[tuple[int, ...], TokenTree]]:
+        async with self.exchange:
+            await self._settled()
+            return self.ahead
+
+    async def _settled(self) -> None:
+        """The last exchange's second response read (or given up)."""
+        if self.pending is not None:
+            await asyncio.wait([self.pending])
+            self.pending = None
+
+    async def _read_ahead(self, iteration: int) -> None:
+        """The exchange's second response: the trees drafted ahead, by request and outcome."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                response = await self.call.read()
+            if response is grpc.aio.EOF or response.iteration != iteration or not response.drafted_ahead:
+                raise ConnectionError("stream ended or out of step")
+            for o in response.outcomes:
+                if o.request_id in self.told:  # (not released meanwhile)
+                    self.ahead.setdefault(o.request_id, {})[tuple(o.outcome)] = tree_from_pb(o.tree)
+        except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError, ValueError) as e:
+            self.ahead = {}
+            if self.call is not None:
+                self._broken(e)
 
     async def _draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         if self.call is None:
@@ -307,7 +339,8 @@ class SpeculatorClient:
             request.updates.append(speculator_pb2.DraftUpdate(
                 request_id=d.request_id, new_token_ids=d.record.tail(self.told.get(d.request_id, 0)),
                 expansion=d.expansion, sampling=sampling_to_pb(d.sampling), drafter=self.drafter,
-                features=d.features if self.feature_layers else ()))
+                features=d.features if self.feature_layers else (), ahead=d.ahead))
+        self.ahead = {}
         try:
             async with asyncio.timeout(self.timeout):
                 await self.call.write(request)
@@ -324,6 +357,8 @@ class SpeculatorClient:
             if rid not in self.to_release:  # not released while this exchange ran
                 self.told[rid] = length
         self.draft_ns = response.draft_ns
+        if any(d.ahead for d in drafts):
+            self.pending = asyncio.ensure_future(self._read_ahead(self.iteration))
         return trees
 
     def _broken(self, error: Exception) -> None:
@@ -333,6 +368,7 @@ class SpeculatorClient:
         self.call = None
         self.told.clear()  # the speculator frees a stream's state when the stream ends
         self.to_release.clear()
+        self.ahead = {}
         self.retry_at = time.monotonic() + self.RETRY_AFTER
 
     async def flush(self) -> None:
@@ -342,6 +378,9 @@ class SpeculatorClient:
 
     async def close(self) -> None:
         async with self.exchange:  # cancelling a call mid-exchange would raise CancelledError in draft()
+            if self.pending is not None:
+                self.pending.cancel()
+                await self._settled()
             if self.call is not None:
                 self.call.cancel()
                 self.call = None

@@ -71,7 +71,8 @@ class EngineSplit:
         self.stats: Callable[[], Stats] | None = None  # the engine's (set when the manager starts)
 
     def describe(self):  # the names, for the registry's clash check (collect yields none before the engine is set)
-        return self._families(dict.fromkeys(("iterations", "batched", *SPLIT_PARTS), 0.0))
+        return self._families(dict.fromkeys(("iterations", "batched", "predraft_hits", "predraft_misses", *SPLIT_PARTS),
+                                            0.0))
 
     def collect(self):
         if self.stats is None:
@@ -90,6 +91,11 @@ class EngineSplit:
                                     value=counters["iterations"]),
                 CounterMetricFamily("specinfer_engine_batched_requests", "requests over those iterations (mean batch "
                                     "= this / specinfer_engine_iterations_total)", value=counters["batched"]),
+                CounterMetricFamily("specinfer_predraft_hits", "drafting during verification (--draft-ahead): request "
+                                    "steps whose every drafter had drafted their tree ahead, for the outcome the step "
+                                    "before emitted (the step left without waiting for them)", value=counters["predraft_hits"]),
+                CounterMetricFamily("specinfer_predraft_misses", "request steps for which some drafter had drafted ahead "
+                                    "and not for the outcome the step before emitted", value=counters["predraft_misses"]),
                 seconds]
 
 

@@ -116,6 +116,12 @@ class SpeculatorReplicas:
         self.draft_ns = max((r.draft_ns for r in by_replica if r.connected), default=0)
         return {rid: tree for answer in answers for rid, tree in answer.items()}
 
+    async def drafted_ahead(self) -> dict:
+        """The trees drafted ahead, by request, each from the request's replica."""
+        answers = await gather(*(r.drafted_ahead() for r in self.replicas.values()))
+        return {rid: trees for r, answer in zip(self.replicas.values(), answers) for rid, trees in answer.items()
+                if self.assigned.get(rid) is r}
+
     def release(self, request_id: str) -> None:
         replica = self.assigned.pop(request_id, None)
         if replica is not None:

@@ -31,6 +31,16 @@ sends the one after it; a request admitted meanwhile joins that one. A request t
 finishes had one step too many computed for it, which is dropped. A request whose step ahead is
 dropped unanswered (a failure, a preemption) is resent whole, as after a lost state.
 
+Drafting during verification (`draft_ahead`, the manager's --draft-ahead): a drafter service idles while
+the verifier checks its tree. Asked to draft ahead (Draft.ahead), it sends the tree, then drafts the next
+trees for the likeliest outcomes of verifying it by its own probabilities, the tokens the step would emit
+(an accepted path, then a bonus token) -> the tree after them (speculator.py), while the step runs. When the
+verdict's tokens are such an outcome for every drafter a request asks, its next tree is there already: a
+batch whose requests all hit leaves without waiting for the drafters, which are told the step and draft
+ahead again meanwhile (their trees, the same, are not awaited). A miss waits for the drafters as before.
+Any tree is exact under greedy decoding, so a hit changes only when the step leaves. In process the
+drafters share the verifier's device: drafting ahead costs there and saves no wait.
+
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
 only costs its trees; a verifier that fails fails the step's requests (errors.py), except when it
@@ -53,7 +63,7 @@ from .lookup import ContextIndex, chain_outcome, chain_tree
 from .masks import AllowedTokens
 from .prediction import PREDICTION_TOKENS, START_TOKENS, Prediction
 from .sampling import SamplingParams
-from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size
+from .tree import TokenTree, accepted_nodes, depths, fit_expansion, merge, path_along, proposers, tree_size, within
 
 # Why a request on the server's trees has none at its prompt's step, with the controller: its first token
 # comes as soon as without speculation, as in vLLM and SGLang. Drafting there put the SSMs' prefill of the
@@ -191,6 +201,7 @@ class Draft:
     sampling: SamplingParams
     features: list = field(default_factory=list)  # for feature drafters: the verifier's features of the
     # record's rows since they last drafted for the request, as it returned them (in order)
+    ahead: int = 0  # then draft the next trees for this many of the likeliest outcomes of verifying this one
 
 
 @dataclass
@@ -212,6 +223,7 @@ class Check:
     # and the tokens that would end the request
     output_start: int = 0
     stop_ids: tuple[int, ...] = ()
+    predrafted: bool = False  # its tree was drafted before the step it follows was decided (a pre-draft hit)
 
 
 @dataclass
@@ -238,6 +250,10 @@ class Drafter(Protocol):
 
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
         """Trees by request id; a request without one gets none this step."""
+
+    async def drafted_ahead(self) -> dict[str, dict[tuple[int, ...], TokenTree]]:
+        """What its last draft drafted ahead (Draft.ahead), waited for: by request, the tokens a verdict would
+        emit (an accepted path, then the bonus token) -> the next tree after them."""
 
     def release(self, request_id: str) -> None:
         """Forget the request (now, or with the next message)."""
@@ -304,6 +320,7 @@ class Sequence:
     cached_tokens: int = 0  # of its prompt, the tokens whose KV entries the verifier's prefix cache held
     preemptions: int = 0  # times its state was dropped everywhere to make room, and its record prefilled again
     prediction: Prediction | None = None  # where its output stands in request.prediction, if it has one
+    last_tokens: tuple[int, ...] = ()  # what its last step emitted: the outcome its trees drafted ahead are keyed by
 
     def __post_init__(self):
         if self.request.prediction:
@@ -342,6 +359,10 @@ class Stats:
     # own time above, and the hops to them and back (RPC, queues, threads); the rest is the engine's own work
     verify_wait_s: float = 0.0
     draft_wait_s: float = 0.0
+    # drafting during verification, per request and step: the drafters' trees all drafted ahead for the
+    # outcome, or some drafter drafted ahead for the request's last step and missed it
+    predraft_hits: int = 0
+    predraft_misses: int = 0
 
     def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float,
             grammar_s: float = 0.0, verify_wait_s: float = 0.0, draft_wait_s: float = 0.0) -> None:
@@ -362,7 +383,7 @@ class Stats:
         return {"iterations": sum(k for _, (k, _) in shapes), "batched": sum(b * k for (b, _), (k, _) in shapes),
                 "all": sum(t for _, (_, t) in shapes), "verifier_step": self.verify_s,
                 "verifier_wait": self.verify_wait_s, "drafting": self.draft_s, "drafting_wait": self.draft_wait_s,
-                "grammar": self.grammar_s}
+                "grammar": self.grammar_s, "predraft_hits": self.predraft_hits, "predraft_misses": self.predraft_misses}
 
     def summary(self) -> dict:
         return {**split(self.counters()),
@@ -424,6 +445,7 @@ class Round:
     nodes: int = 0
     asked: set[str] = field(default_factory=set)
     drafted: float = 0.0
+    predrafted: set[str] = field(default_factory=set)  # requests whose drafters' trees were all drafted ahead
     # constrained: each constrained request's allowed tokens per row and its forced tokens; the grammar's time
     allowed: dict[str, AllowedTokens] = field(default_factory=dict)
     forced: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -453,7 +475,8 @@ class SpeculativeEngine:
     def __init__(self, verifier: VerifierBackend, drafters: list[Drafter], eos: set[int], expansion: list[int],
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
                  lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None,
-                 prefill_chunk: int = 0, steps_ahead: bool = False, prediction_tokens: int = PREDICTION_TOKENS["cpu"]):
+                 prefill_chunk: int = 0, steps_ahead: bool = False, prediction_tokens: int = PREDICTION_TOKENS["cpu"],
+                 draft_ahead: int = 0):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
         if prefill_chunk < 0:
@@ -474,6 +497,10 @@ class SpeculativeEngine:
         # call starts, before the call's first await, and answer steps in order (the manager's client does)
         self.steps_ahead = steps_ahead
         self.prediction_tokens = prediction_tokens  # the longest chain drafted from a request's prediction
+        # drafting during verification: the drafters draft each tree's next trees for this many of the likeliest
+        # outcomes of verifying it, and a step whose outcome they drafted for leaves without waiting for them
+        self.draft_ahead = draft_ahead
+        self.launched: list[asyncio.Future] = []  # drafter calls not waited for (Draft.ahead)
         self.verifier_release: set[str] = set()  # sent with the next verify call
         self.ahead: Ahead | None = None  # the step sent ahead, in flight
         self.chosen: tuple[int, Choice] | None = None  # the controller's choice for the next step (batch size, choice)
@@ -523,6 +550,9 @@ class SpeculativeEngine:
         """Deliver pending releases now (when no step is coming to carry them)."""
         if (ahead := self._drop_ahead()) is not None:  # answered before the releases: the verifier keeps
             await asyncio.wait([ahead.call])             # no state a step ahead made after them
+        launched, self.launched = self.launched, []
+        if launched:  # drafts not waited for go before the drafters' releases
+            await asyncio.wait(launched)
         if self.verifier_release:
             ids = sorted(self.verifier_release)
             self.verifier_release.clear()
@@ -575,8 +605,8 @@ class SpeculativeEngine:
     async def _draft(self, r: Round) -> None:
         """Draft: the drafters' trees merged with context lookup's chains (`_drafted_trees`), and each
         prediction's chain merged in."""
-        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted) = await self._drafted_trees(
-            r.batch, r.choice, r.fits, r.predicted)
+        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted, r.predrafted) = \
+            await self._drafted_trees(r.batch, r.choice, r.fits, r.predicted)
         for s in r.batch:
             if chain := r.predicted.get(s.id):
                 own = chain_tree(chain, s.request.sampling.sampled_drafts)
@@ -621,7 +651,7 @@ class SpeculativeEngine:
         features = self.wants_features
         r.checks = [self._check(s, r.trees.get(s.id, TokenTree()),
                                 features and s.id in r.plans and (s.id not in r.predicted or not s.steps),
-                                r.allowed.get(s.id))
+                                r.allowed.get(s.id), predrafted=s.id in r.predrafted)
                     for s in r.batch]
         r.checks += [Check(s.id, s.tokens_from(s.verifier_has)[: r.chunks[s.id]], s.verifier_has + r.chunks[s.id],
                            TokenTree(), s.request.sampling, prefill_only=True) for s in r.chunked]
@@ -756,14 +786,14 @@ class SpeculativeEngine:
         return self.controller.choose(batch_size, full_trees, chains)
 
     def _check(self, s: Sequence, tree: TokenTree | None = None, features: bool = False,
-               allowed: AllowedTokens | None = None, ahead: bool = False) -> Check:
+               allowed: AllowedTokens | None = None, ahead: bool = False, predrafted: bool = False) -> Check:
         """The request's step: the record's tokens the verifier lacks, or (`ahead`: its plain step in
         flight leaves the verifier one token past the record) none."""
         return Check(s.id, [] if ahead else s.tokens_from(s.verifier_has), s.length + ahead, tree or TokenTree(),
                      s.request.sampling,
                      features, s.request.logprobs, s.request.prompt_logprobs and not s.steps and not ahead,
                      s.request.top_logprobs, allowed, output_start=len(s.request.prompt),
-                     stop_ids=self._stop_ids(s.request))
+                     stop_ids=self._stop_ids(s.request), predrafted=predrafted)
 
     def _releasing(self) -> list[str]:
         """The requests to free with the step sent now."""
@@ -774,6 +804,7 @@ class SpeculativeEngine:
     def _commit(self, s: Sequence, v: Verified, tree: TokenTree | None, sources: dict[int, TokenTree],
                 forced: list[int], outcomes: dict[int, list[tuple[int, int]]]) -> Chunk:
         tokens = v.tokens
+        s.last_tokens = tuple(tokens)
         s.verifier_has = s.length + len(tokens)
         if not s.steps:
             s.cached_tokens += v.cached_tokens
@@ -931,14 +962,14 @@ class SpeculativeEngine:
                 first[s.id] = plan
                 s.no_tree[FIRST_TOKEN_FIRST] += 1
             elif plan:
-                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features)))
+                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features, self.draft_ahead)))
             elif s.id not in predicted:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not (self.drafters or self.lookup):
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 if s.id not in predicted:
                     s.no_tree["no drafters configured"] += 1
-            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0)
+            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0, set())
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
@@ -950,12 +981,19 @@ class SpeculativeEngine:
                  if self.drafters else [])
         seqs = {s.id: s for s, _ in drafting}
         each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
+        ahead = await self._drafted_ahead()
+        hits = [self._hits(ahead[i], drafts, seqs) for i, drafts in enumerate(each)]
         calls = [i for i, drafts in enumerate(each) if drafts]  # lookup found a chain for every request: none
-        answers = [{} for _ in self.drafters]
+        # a drafter whose every tree was drafted ahead is not waited for: it is told the step and drafts ahead
+        # again meanwhile (its trees, the same, are not needed)
+        waits = [i for i in calls if len(hits[i]) < len(each[i])]
+        self.launched += [asyncio.ensure_future(self.drafters[i].draft(each[i])) for i in calls if i not in waits]
+        answers = [dict(h) for h in hits]
         drafted = time.perf_counter()
-        for i, answer in zip(calls, await gather(*(self.drafters[i].draft(each[i]) for i in calls))):
-            answers[i] = answer
-        drafted = time.perf_counter() - drafted if calls else 0.0
+        for i, answer in zip(waits, await gather(*(self.drafters[i].draft(each[i]) for i in waits))):
+            answers[i] = {**answer, **hits[i]}
+        drafted = time.perf_counter() - drafted if waits else 0.0
+        predrafted = self._count_predrafts(each, ahead, hits)
         asked_ids = {d.request_id for drafts in each for d in drafts}
         fed = [{d.request_id for d in drafts} for drafts, drafter in zip(each, self.drafters) if drafter.wants_features]
         for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)
@@ -977,8 +1015,42 @@ class SpeculativeEngine:
             sources[s.id] = trees
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
                      max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
-                     drafted)
+                     drafted, predrafted)
         return merged, sources, {**first, **{s.id: d.expansion for s, d in drafting}}, chains, asked_for
+
+    async def _drafted_ahead(self) -> list[dict[str, dict[tuple[int, ...], TokenTree]]]:
+        """Each drafter's trees drafted ahead during the last step (the calls not waited for then, now done)."""
+        if not self.draft_ahead:
+            return [{} for _ in self.drafters]
+        launched, self.launched = self.launched, []
+        if launched:
+            await asyncio.wait(launched)
+        return await gather(*(d.drafted_ahead() for d in self.drafters))
+
+    @staticmethod
+    def _hits(ahead: dict[str, dict[tuple[int, ...], TokenTree]], drafts: list[Draft], seqs: dict[str, Sequence]
+              ) -> dict[str, TokenTree]:
+        """The requests of `drafts` whose drafter drafted a tree ahead for what their last step emitted: it,
+        to the depth asked now."""
+        out = {}
+        for d in drafts:
+            if (tree := ahead.get(d.request_id, {}).get(seqs[d.request_id].last_tokens)) is not None:
+                out[d.request_id] = within(tree, len(d.expansion))
+        return out
+
+    def _count_predrafts(self, each: list[list[Draft]], ahead: list[dict], hits: list[dict[str, TokenTree]]
+                         ) -> set[str]:
+        """The requests every drafter asked had drafted ahead for (Stats: hits, and misses where some drafter
+        drafted ahead for the request's last step and the outcome was not among its)."""
+        asked: dict[str, list[int]] = {}
+        for i, drafts in enumerate(each):
+            for d in drafts:
+                asked.setdefault(d.request_id, []).append(i)
+        hit = {rid for rid, by in asked.items() if all(rid in hits[i] for i in by)}
+        tried = {rid for rid, by in asked.items() if any(rid in ahead[i] for i in by)}
+        self.stats.predraft_hits += len(hit)
+        self.stats.predraft_misses += len(tried - hit)
+        return hit
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:
         """What drafter number `drafter` drafts this step: for requests on the server's expansion, as

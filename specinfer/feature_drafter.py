@@ -66,6 +66,7 @@ class _Known:
 
 class FeatureSpeculator(Speculator):
     wants_features = True
+    drafts_ahead = False  # (its rows past the tree would read its own predicted features: not yet)
 
     def __init__(self, head: EagleHead, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
                  progress: bool = False, dynamic: bool = False, prefill_chunk: int = 0):

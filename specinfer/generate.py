@@ -58,20 +58,33 @@ class LocalDrafter:
         self.drafter = drafter
         self.replacement = replacement  # sampled drafts: i.i.d. draws instead of draws without replacement
         self.told: dict[str, int] = {}  # request id -> tokens of its record the SSM has been given
+        self.ahead: dict[str, dict[tuple[int, ...], TokenTree]] = {}  # its last draft's trees drafted ahead
         self.draft_ns = 0
 
     async def draft(self, drafts: list[Draft]) -> dict[str, TokenTree]:
+        """The trees; with Draft.ahead, then the trees drafted ahead (in process, on the same device: they
+        are drafted before the step is verified, not during it)."""
         start = time.perf_counter_ns()
         batch = [DraftRequest(d.request_id, d.record.tail(self.told.get(d.request_id, 0)), d.expansion, d.sampling,
-                              self.replacement, self.drafter, d.features) for d in drafts]
-        trees = self.speculator.draft(batch)
+                              self.replacement, self.drafter, d.features, d.ahead) for d in drafts]
+        if self.speculator.drafts_ahead and any(d.ahead for d in drafts):
+            trees, later = self.speculator.draft_ahead(batch)
+            self.draft_ns = time.perf_counter_ns() - start
+            self.ahead = {d.request_id: a for d, a in zip(drafts, later()) if a}
+        else:
+            trees = self.speculator.draft(batch)
+            self.draft_ns = time.perf_counter_ns() - start
+            self.ahead = {}
         for d in drafts:
             self.told[d.request_id] = len(d.record)
-        self.draft_ns = time.perf_counter_ns() - start
         return {d.request_id: t for d, t in zip(drafts, trees)}
+
+    async def drafted_ahead(self) -> dict[str, dict[tuple[int, ...], TokenTree]]:
+        return self.ahead
 
     def release(self, request_id: str) -> None:
         self.told.pop(request_id, None)
+        self.ahead.pop(request_id, None)
         self.speculator.release(request_id)
 
     async def flush(self) -> None:
@@ -104,14 +117,17 @@ class Engine:
                  expansion: list[int] | None = None, replacement: bool = False, graphs: GraphConfig = GraphConfig(),
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
                  tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False,
-                 grammars: Grammars | None = None, prefill_chunk: int = 0, kv_tokens: int = POOL_TOKENS):
+                 grammars: Grammars | None = None, prefill_chunk: int = 0, kv_tokens: int = POOL_TOKENS,
+                 draft_ahead: int = 0):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
         expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
         constrained requests' grammars (Request.grammar) for the LLM's tokenizer; prefill_chunk:
         prompts longer than this are prefilled in chunks of it, by the verifier and the drafters
         (engine.py, speculator.py; 0: whole); kv_tokens: the LLM's KV pool in token slots (what a batch
-        of requests in flight needs at most)."""
+        of requests in flight needs at most); draft_ahead: the drafters draft each tree's next trees for this
+        many of the likeliest outcomes of its verification (engine.py; in process they are drafted before the
+        step, on the same device: what that costs and how often it hits, not what it saves)."""
         mode = Mode(mode)
         if mode != Mode.INCREMENTAL and not ssms and not heads and not lookup:
             raise ValueError(f"mode {mode.value} needs at least one SSM or head (or context lookup)")
@@ -136,7 +152,8 @@ class Engine:
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
             SpeculationController(lookup=lookup, chain=lookup_tokens, trees=bool(drafters)) if adaptive else None, lookup,
-            lookup_tokens, grammars, prefill_chunk, prediction_tokens=prediction_tokens(llm.device.type))
+            lookup_tokens, grammars, prefill_chunk, prediction_tokens=prediction_tokens(llm.device.type),
+            draft_ahead=draft_ahead)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:

@@ -40,14 +40,26 @@ the other requests' roots, and gets an empty tree until it has caught up. So a l
 the batch's other requests at most a chunk's forward per draft, and once caught up it drafts the
 tree a drafter fed the record whole drafts.
 
+Drafting during verification (`draft_ahead`, engine.py): once a tree is handed over, the drafter drafts
+the next step's trees for the likeliest outcomes of verifying it, greedy requests on fixed trees. An
+outcome is a path of the tree accepted and then a bonus token that is none of its end's children; its
+log-probability by the drafter is the path's plus the token's there. One forward feeds the tree's last
+level (its rows give the bonus tokens after a whole path), the outcomes are ranked on the host, and each
+outcome's bonus token becomes a new node under its path's end in the same scratch tree, grown in the
+request's expansion one batched forward a level, as the tree was. So the tree sent and the trees ahead
+share one cache: when the step's outcome is one of them, the next draft keeps the KV of the accepted
+path and its tree is the one drafted ahead.
+
 Losing a speculator's state only costs speed: the next `draft` recomputes whatever it is missing.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -73,6 +85,7 @@ class DraftRequest:
     replacement: bool = False  # stochastic drafts: i.i.d. draws instead of draws without replacement
     drafter: int = 0  # tells apart the drafters of one request (e.g. speculator services) so their draws are independent
     features: list = field(default_factory=list)  # a feature drafter's input: the LLM's `verifier.Features` since last time
+    ahead: int = 0  # `draft_ahead`: the likeliest outcomes of verifying its tree to draft the next trees for
 
 
 @dataclass
@@ -84,8 +97,21 @@ class _Row:
     index: int  # its index among the request's rows at this level (a counter of its random numbers)
 
 
+@dataclass
+class _Grown:
+    """What a draft leaves for `Speculator._ahead`: the caches, the levels grown, their candidates, the raw
+    trees, and which requests draft ahead."""
+
+    caches: list[KVCache]
+    levels: list
+    candidates: list[tuple[torch.Tensor, torch.Tensor]]
+    raw: list[TokenTree]
+    ahead: list[bool]
+
+
 class Speculator:
     wants_features = False  # a feature drafter's subclass reads the LLM's features (feature_drafter.py)
+    drafts_ahead = True  # drafts for the outcomes of the verification of its trees (`draft_ahead`)
 
     def __init__(self, model: LlamaModel, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
                  graphs: GraphConfig = GraphConfig(), progress: bool = False, dynamic: bool = False,
@@ -145,6 +171,20 @@ class Speculator:
 
     @torch.no_grad()
     def draft(self, batch: list[DraftRequest]) -> list[TokenTree]:
+        return self._draft(batch, False)[0]
+
+    @torch.no_grad()
+    def draft_ahead(self, batch: list[DraftRequest]
+                    ) -> tuple[list[TokenTree], Callable[[], list[dict[tuple[int, ...], TokenTree]]]]:
+        """`draft`'s trees, and what drafts ahead once they are handed over: each request's next trees for
+        the `ahead` likeliest outcomes of verifying its tree (drafting during verification, module
+        docstring), the tokens that step would emit (an accepted path, then the LLM's bonus token) -> the
+        tree below them, in the request's expansion. For greedy requests on fixed trees (others get none).
+        Call it before the next draft."""
+        trees, grown = self._draft(batch, True)
+        return trees, functools.partial(self._ahead, batch, grown)
+
+    def _draft(self, batch: list[DraftRequest], ahead: bool) -> tuple[list[TokenTree], "_Grown"]:
         caches = self._sync(batch)
         fed = [self._fed(c) for c in caches]
         behind = [n < len(c.pending) for n, c in zip(fed, caches)]  # fed a chunk: their roots get no children
@@ -155,11 +195,25 @@ class Speculator:
                   if not (r.sampling.greedy or r.sampling.sampled_drafts) else None for r, c in zip(batch, caches)]
         dynamic = [_Dynamic(r.expansion) if self.dynamic and key is None and r.expansion and not b else None
                    for r, key, b in zip(batch, keys, behind)]
+        ahead = [bool(ahead and self.drafts_ahead and r.ahead and r.expansion and r.sampling.greedy) and not b
+                 and d is None for r, b, d in zip(batch, behind, dynamic)]
+        outcomes = max((r.ahead for r, a in zip(batch, ahead) if a), default=0)
         size = [0] * len(batch)  # nodes of each request's tree so far (level order, dead ones included)
         rows = [_Row(i, -1, 0) for i, r in enumerate(batch) if r.expansion]
         items = [StepInput(caches[row.request], caches[row.request].pending[: fed[row.request]], [], [])
                  for row in rows]
-        ids, levels, depth = None, [], 0
+        levels, candidates = self._levels(batch, caches, rows, items, size, behind, dynamic, keys, couple, outcomes)
+        trees, raw = self._finish(batch, caches, levels, dynamic)
+        return trees, _Grown(caches, levels, candidates, raw, ahead)
+
+    def _levels(self, batch: list[DraftRequest], caches: list[KVCache], rows: list[_Row], items: list[StepInput],
+                size: list[int], behind: list[bool], dynamic: list["_Dynamic | None"], keys: list[int | None],
+                couple: list[tuple[int, int] | None], outcomes: int = 0) -> tuple[list, list]:
+        """Grow the trees from the frontier `rows` (fed by `items`), one batched forward per level, to the
+        depth of each request's expansion: the levels' (rows, k, children), and with `outcomes` each level's
+        rows' top k + `outcomes` tokens and their log-probabilities (`_candidates`). `size`: each request's
+        raw nodes so far, counted on."""
+        ids, levels, candidates, depth = None, [], [], 0
         while rows:
             logits = self._forward(items, ids)  # [len(rows), V]: one row per frontier node
             k = [0 if behind[row.request] else dynamic[row.request].top if dynamic[row.request]
@@ -167,6 +221,8 @@ class Speculator:
             children = self._expand(logits, rows, k, batch, keys, depth)
             self._guess_first(children[0], logits, rows, batch, couple, depth)
             levels.append((rows, k, children))
+            if outcomes:
+                candidates.append(_candidates(logits, max(k) + outcomes))
             kmax = children[0].shape[1]
             scores = _path_scores(logits, children[0], [i for i, row in enumerate(rows) if dynamic[row.request]])
             for ri, s in scores.items():  # a guess of the coupled sample (first) scores as the likeliest child
@@ -200,7 +256,54 @@ class Speculator:
             self._follow(picked, kmax)
             items = [StepInput(caches[r], [], [0] * len(p), p) for r, p in parents.items()]
             rows, depth = nxt, depth + 1
-        return self._finish(batch, caches, levels, dynamic)
+        return levels, candidates
+
+    @torch.no_grad()
+    def _ahead(self, batch: list[DraftRequest], g: "_Grown") -> list[dict[tuple[int, ...], TokenTree]]:
+        """The trees below each `ahead` request's likeliest outcomes (`draft_ahead`). The tree's
+        last level is fed (one forward: each leaf's row, the bonus tokens after a whole path), the outcomes
+        ranked by the drafter's log-probability of their tokens (a path's nodes, then a bonus token that is
+        none of the node's children), and each outcome's bonus token grown as a new node under its path's
+        end, in the scratch tree beside the tree sent (so that the step after a hit keeps its KV)."""
+        out: list[dict[tuple[int, ...], TokenTree]] = [{} for _ in batch]
+        reqs = [i for i, a in enumerate(g.ahead) if a]
+        if not reqs:
+            return out
+        leaves = {i: list(range(len(g.caches[i].tree), len(g.raw[i]))) for i in reqs}
+        logits = self._forward([StepInput(g.caches[i], [], [g.raw[i].tokens[u] for u in leaves[i]],
+                                          [g.raw[i].parents[u] for u in leaves[i]]) for i in reqs], None)
+        outcomes = max(batch[i].ahead for i in reqs)
+        parts = g.candidates + [_candidates(logits, outcomes)]
+        ids = torch.cat([t.flatten() for t, _ in parts]).tolist()  # the pre-draft's synchronization and copies
+        logq = torch.cat([q.flatten() for _, q in parts]).tolist()
+        rows = [(rows, t.shape[1]) for (rows, _, _), (t, _) in zip(g.levels, g.candidates)]
+        rows.append(([_Row(i, u, 0) for i in reqs for u in leaves[i]], outcomes))
+        q: dict[int, dict[int, list[tuple[int, float]]]] = {i: {} for i in reqs}  # request -> node -> its top tokens
+        at = 0
+        for level, width in rows:
+            for row in level:
+                if g.ahead[row.request]:
+                    q[row.request][row.node] = list(zip(ids[at: at + width], logq[at: at + width]))
+                at += width
+        size = [len(t) for t in g.raw]
+        start, items, keys = [], [], {}
+        for i in reqs:
+            picks = _likeliest(g.raw[i], q[i], batch[i].ahead)
+            paths = g.raw[i].paths()
+            for j, (u, b) in enumerate(picks):
+                keys[i, size[i] + j] = (paths[u] if u >= 0 else ()) + (b,)
+                start.append(_Row(i, size[i] + j, j))
+            g.raw[i].tokens += [b for _, b in picks]
+            g.raw[i].parents += [u for u, _ in picks]
+            items.append(StepInput(g.caches[i], [], [b for _, b in picks], [u for u, _ in picks]))
+            size[i] += len(picks)
+        sub = [r if g.ahead[i] else replace(r, expansion=[]) for i, r in enumerate(batch)]
+        none = [None] * len(batch)
+        levels, _ = self._levels(sub, g.caches, start, items, size, [False] * len(batch), none, none, none)
+        self._grow_raw(sub, g.caches, levels, none, g.raw)
+        for (i, node), key in keys.items():
+            out[i][key] = _below(g.raw[i], node)
+        return out
 
     def _forward(self, items: list[StepInput], ids: torch.Tensor | None) -> torch.Tensor:
         """One level's forward: logits [R, V]."""
@@ -281,11 +384,20 @@ class Speculator:
         return tokens, drawn, q_ids, q_probs
 
     def _finish(self, batch: list[DraftRequest], caches: list[KVCache], levels: list,
-                dynamic: list[_Dynamic | None]) -> list[TokenTree]:
-        """Copy every level's draws to the host at once and build each request's tree: its nodes
-        drawn, under drawn parents, and of a dynamic tree the kept ones."""
+                dynamic: list[_Dynamic | None]) -> tuple[list[TokenTree], list[TokenTree]]:
+        """Each request's tree: its nodes drawn, under drawn parents, and of a dynamic tree the kept ones;
+        and its raw tree (`_grow_raw`)."""
+        raw, alive = self._grow_raw(batch, caches, levels, dynamic, [TokenTree() for _ in batch])
+        return [merge([_subtree(tree, [u for u in range(len(tree)) if live[u]])]) for tree, live in zip(raw, alive)], raw
+
+    def _grow_raw(self, batch: list[DraftRequest], caches: list[KVCache], levels: list,
+                  dynamic: list[_Dynamic | None], raw: list[TokenTree]) -> tuple[list[TokenTree], list[list[bool]]]:
+        """Copy every level's draws to the host at once and add them to each request's raw tree (every
+        candidate in level order, -1 where not drawn), its scratch tree's tokens set to them; the raw
+        trees, and whether each node is alive (drawn under drawn parents, and kept)."""
+        alive: list[list[bool]] = [[True] * len(tree) for tree in raw]
         if not levels:
-            return [TokenTree() for _ in batch]
+            return raw, alive
         parts = []
         for _, _, (tokens, drawn, q_ids, q_probs) in levels:
             parts += [tokens.flatten(), drawn.flatten().long(), q_ids.flatten().long(),
@@ -295,8 +407,6 @@ class Speculator:
         for part in parts:
             chunks.append(values[at: at + part.numel()])
             at += part.numel()
-        raw = [TokenTree() for _ in batch]  # every candidate, -1 where not drawn
-        alive: list[list[bool]] = [[] for _ in batch]
         keep = [d.keep() if d else None for d in dynamic]
         for level, (rows, k, (tokens, _, q_ids, _)) in enumerate(levels):
             tok, ok, qi, bits = chunks[4 * level: 4 * level + 4]
@@ -321,14 +431,11 @@ class Speculator:
                         tree.groups.append(DraftGroup(row.node, ids[:support], list(probs[:support]), children,
                                                       req.replacement))
                     s += 1
-        out = []
-        for cache, tree, live, d in zip(caches, raw, alive, dynamic):
+        for cache, tree, d in zip(caches, raw, dynamic):
             # the cache holds the nodes that went through the SSM (of a fixed tree all but the last
             # level, of a dynamic one those fed); a dead node's token (-1) never matches a committed token
             cache.tree.tokens[:] = [tree.tokens[u] for u in d.fed] if d else tree.tokens[: len(cache.tree)]
-            keep = [u for u in range(len(tree)) if live[u]]
-            out.append(merge([_subtree(tree, keep)]))
-        return out
+        return raw, alive
 
 
 class _Dynamic:
@@ -371,6 +478,37 @@ def _path_scores(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) ->
     at = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
     values = logits[at].float().log_softmax(-1).gather(1, tokens[at]).cpu().tolist()
     return dict(zip(rows, values))
+
+
+def _candidates(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `n` most likely tokens [R, n] and their log-probabilities [R, n] (float32)."""
+    top = logits.topk(min(n, logits.shape[-1]), dim=-1)
+    return top.indices, top.values.float() - logits.float().logsumexp(-1, keepdim=True)
+
+
+def _likeliest(tree: TokenTree, q: dict[int, list[tuple[int, float]]], n: int) -> list[tuple[int, int]]:
+    """The `n` likeliest outcomes of verifying `tree` by the drafter's log-probabilities `q` (node, -1 for
+    the root -> its most likely tokens): (u, b), the path to node u accepted and b, none of u's children,
+    the LLM's bonus token; its log-probability is the path's and b's at u. Likeliest first, ties in order."""
+    logp, children = {-1: 0.0}, {-1: set()}
+    for u, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+        at = dict(q[p])
+        logp[u] = logp[p] + at.get(t, min(at.values()))  # a child ranked past the list ties its last
+        children[u] = set()
+        children[p].add(t)
+    scored = [(logp[u] + lq, u, b) for u in (-1, *range(len(tree))) for b, lq in q[u] if b not in children[u]]
+    return [(u, b) for _, u, b in sorted(scored, key=lambda c: -c[0])[:n]]
+
+
+def _below(tree: TokenTree, node: int) -> TokenTree:
+    """The nodes under `node`, renumbered as a tree whose root is `node` (DFS order, as `merge` gives)."""
+    new, tokens, parents = {node: -1}, [], []
+    for u in range(node + 1, len(tree)):
+        if tree.parents[u] in new:
+            new[u] = len(tokens)
+            tokens.append(tree.tokens[u])
+            parents.append(new[tree.parents[u]])
+    return merge([TokenTree(tokens, parents)])
 
 
 def _subtree(tree: TokenTree, keep: list[int]) -> TokenTree:

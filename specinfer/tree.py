@@ -119,6 +119,12 @@ def dfs_order(parents: list[int]) -> list[int]:
     return order
 
 
+def within(tree: TokenTree, depth: int) -> TokenTree:
+    """The tree's nodes of depth `depth` at most (a tree of top-k drafts: it has no draft groups)."""
+    keep = [u for u, d in enumerate(depths(tree.parents)) if d <= depth]
+    return tree if len(keep) == len(tree) else reorder(TokenTree(tree.tokens, tree.parents), keep)
+
+
 def reorder(tree: TokenTree, order: list[int]) -> TokenTree:
     """The same tree with its nodes renumbered so that node order[i] becomes node i."""
     new = {old: i for i, old in enumerate(order)}

@@ -68,7 +68,7 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "config = expansion@tree budget (the manager's defaults; @static: no adaptive controller; "
              "@nolookup: no context lookup; @alone: context lookup alone, no speculators; @head: the --head feature speculators draft too; @logprobs: every request asks for its tokens' logprobs, top 5; @baseline: the manager of the --baseline source tree; @mss: sampled drafts verified by MSS instead of the guess of the coupled sample and top-k drafts matched "
              "against it; @ahead, @sequential: plain steps sent ahead, or not, whatever the verifier's "
-             "device); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
+             "device; @predraft: drafting during verification, the manager's --draft-ahead 4); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
              f"ignore_eos; {max_new_tokens} new tokens per request; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "
              "each run in the JSON); an iteration's split from the manager's metrics over the timed runs: the "
              "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads; "
@@ -78,16 +78,23 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "next step was: plain, a tree drafted after the verdict (miss), a pre-drafted tree (hit)", "",
              "| config | concurrency | tok/s | vs off | tok/step | TTFT p50/p99 ms | ITL p50/p99 ms | request p50/p99 ms "
              "| iteration ms | verifier ms | verifier hop ms | speculator ms | speculator hop ms | manager own ms "
-             "| verifier idle ms: plain / miss / hit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| verifier idle ms: plain / miss / hit | pre-draft hits |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         vs = f"{r['tokens_per_s'] / off[r['concurrency']]:.2f}x" if r["concurrency"] in off else "-"
         idle = r.get("verifier_idle_ms", {})
         lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} "
                      f"| {r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} "
                      f"| {r['latency_p50_ms']:.0f}/{r['latency_p99_ms']:.0f} | {split_cells(r, 'manager')} "
-                     f"| {' / '.join(f'{idle[k]:.2f}' if k in idle else '-' for k in ('plain', 'miss', 'hit'))} |")
+                     f"| {' / '.join(f'{idle[k]:.2f}' if k in idle else '-' for k in ('plain', 'miss', 'hit'))} "
+                     f"| {predraft_cell(r, 'manager')} |")
     return "\n".join(lines) + "\n"
+
+
+def predraft_cell(r: dict, who: str) -> str:
+    """The share of request steps whose trees were all drafted ahead, of those drafted ahead for ("-": none)."""
+    hits, misses = r.get(f"{who}_predraft_hits", 0), r.get(f"{who}_predraft_misses", 0)
+    return f"{hits / (hits + misses):.0%} of {hits + misses:.0f}" if hits + misses else "-"
 
 
 def in_process_markdown(result: dict) -> str:
@@ -104,13 +111,13 @@ def in_process_markdown(result: dict) -> str:
                   "The same split; in process the drafters run one after another, so their \"hop\" is the time of all "
                   "but the slowest.", "",
                   "| config | concurrency | tok/s | services / in process | tok/step | iteration ms | verifier ms | "
-                  "verifier hop ms | speculator ms | speculator hop ms | engine own ms |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "verifier hop ms | speculator ms | speculator hop ms | engine own ms | pre-draft hits |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in in_process:
             vs = by.get((r["config"], r["concurrency"]))
             vs = "-" if vs is None else f"{vs / r['tokens_per_s']:.2f}x"
             lines.append(f"| {r['config']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {vs} | {r['tokens_per_step']:.2f} | "
-                         f"{split_cells(r, 'engine')} |")
+                         f"{split_cells(r, 'engine')} | {predraft_cell(r, 'engine')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -64,7 +64,8 @@ from .inprocess import load_prompt_ids, reference_greedy
 from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead"}
+OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead", "predraft"}
+PREDRAFT_OUTCOMES = 4  # @predraft: the manager's --draft-ahead
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
 SPLIT = ("ms_per_iteration", "verify_ms", "verify_wait_ms", "draft_ms", "draft_wait_ms", "overhead_ms", "own_ms",
@@ -85,13 +86,15 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
     runs from the --baseline source tree; @head: the feature speculators `heads` draft too; @logprobs:
     the load's requests ask for logprobs, a request option the manager's flags do not see; @sequential and
-    @ahead: the manager's --steps-ahead off and on, where its default is auto)."""
+    @ahead: the manager's --steps-ahead off and on, where its default is auto; @predraft: its --draft-ahead)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     name, *options = config.split("@")
     if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
         raise ValueError(f"--configs {config!r}: unknown option(s) {sorted(unknown)} ({', '.join(sorted(OPTIONS))})")
     if "sequential" in options or "ahead" in options:
         flags += ["--steps-ahead", "off" if "sequential" in options else "on"]
+    if "predraft" in options:
+        flags += ["--draft-ahead", str(PREDRAFT_OUTCOMES)]
     if name == "off":  # no speculators and no lookup: incremental decoding
         return flags + ["--no-context-lookup"]
     expansion, budget, *options = config.split("@")
@@ -127,12 +130,12 @@ def ssms_used(configs: list[str], ssms: list) -> list:
 
 def engine_settings(config: str, ssms: list, device: str) -> dict:
     """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static,
-    @nolookup or @alone (the others name what only the services do); several SSMs merge their trees, as the
-    manager does, and @alone drafts with none of them; a budget of 0 is the manager's default for a verifier on
-    `device`."""
+    @nolookup, @alone or @predraft (the others name what only the services do); several SSMs merge their trees,
+    as the manager does, and @alone drafts with none of them; a budget of 0 is the manager's default for a
+    verifier on `device`."""
     name, *options = config.split("@")
     budget = None if name == "off" else options.pop(0)
-    if unknown := set(options) - {"static", "nolookup", "alone"}:
+    if unknown := set(options) - {"static", "nolookup", "alone", "predraft"}:
         raise ValueError(f"--in-process: {config!r}: option(s) {sorted(unknown)} run only through the services")
     if name == "off":
         return {"ssms": [], "mode": Mode.INCREMENTAL}
@@ -140,7 +143,7 @@ def engine_settings(config: str, ssms: list, device: str) -> dict:
     return {"ssms": ssms, "mode": Mode.MERGED if len(ssms) > 1 else Mode.TREE,
             "expansion": [int(k) for k in name.split(",")],
             "tree_budget": default_tree_budget(device, int(budget)), "adaptive": "static" not in options,
-            "lookup": "nolookup" not in options}
+            "lookup": "nolookup" not in options, "draft_ahead": PREDRAFT_OUTCOMES if "predraft" in options else 0}
 
 
 def identical_share(what: str, outputs: list[list[int]], reference: list[list[int]], exact: bool) -> float:
@@ -191,7 +194,9 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
             parts = split(engine.engine.stats.counters())
             rows.append({"config": config, "concurrency": c, "seconds": round(seconds, 2), "tokens": tokens,
                          "tokens_per_s": round(tokens / seconds, 1), "tokens_per_step": round(tokens / steps, 3),
-                         "identical_share": share, **{f"engine_{k}": parts[k] for k in SPLIT}})
+                         "identical_share": share, **{f"engine_{k}": parts[k] for k in SPLIT},
+                         "engine_predraft_hits": engine.engine.stats.predraft_hits,
+                         "engine_predraft_misses": engine.engine.stats.predraft_misses})
         del engine
         release(llm.device)
     return reference, rows
@@ -228,8 +233,9 @@ def engine_counters(metrics: str) -> dict[str, float]:
 def counters_from_text(text: str) -> dict[str, float]:
     """`Stats.counters` as manager_svc.metrics.EngineSplit exports them, read back from /metrics text
     (zeros where none are exported yet)."""
-    names = {"specinfer_engine_iterations_total": "iterations", "specinfer_engine_batched_requests_total": "batched"}
-    out = dict.fromkeys(("iterations", "batched", *SPLIT_PARTS), 0.0)
+    names = {"specinfer_engine_iterations_total": "iterations", "specinfer_engine_batched_requests_total": "batched",
+             "specinfer_predraft_hits_total": "predraft_hits", "specinfer_predraft_misses_total": "predraft_misses"}
+    out = dict.fromkeys((*names.values(), *SPLIT_PARTS), 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in names:
@@ -318,7 +324,8 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
         timed_split = split(timed[config, c])
         stats = manager_stats(logs / f"{managers[config, c].name}.log")
         if timed_split["iterations"]:
-            stats.update(timed_split)
+            stats.update(timed_split, predraft_hits=timed[config, c]["predraft_hits"],
+                         predraft_misses=timed[config, c]["predraft_misses"])
         rows.append({"config": config, "concurrency": c, **median, "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
                      "identical_share": shares[config], "verifier_idle_ms": idle_ms(idle[config, c]),
                      **{f"manager_{k}": v for k, v in stats.items()}})

@@ -1,5 +1,6 @@
 """Thin gRPC adapter over the core `Speculator`s: per iteration, one batched tree build per SSM,
-the SSMs' trees merged per request, streamed back.
+the SSMs' trees merged per request, streamed back; where an update asks to draft ahead, then the trees
+drafted ahead (`Speculator.draft_ahead`) in a second response.
 
 Per-request SSM state belongs to the stream it came on (keys are "<stream>/<request id>"), so two
 managers never collide and a stream that ends, for any reason, frees everything it created.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -26,6 +28,11 @@ TREE_SECONDS = Histogram("specinfer_speculator_tree_seconds", "building one batc
                          buckets=LATENCY_BUCKETS)
 TREES = Counter("specinfer_speculator_trees", "draft trees built (one per request per iteration)")
 REQUESTS = Gauge("specinfer_speculator_requests", "requests with SSM state here")
+
+def merged(trees: list[TokenTree]) -> TokenTree:
+    """One SSM's tree as it is, several merged."""
+    return trees[0] if len(trees) == 1 else merge(trees)
+
 
 class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
     def __init__(self, speculators: list[Speculator], model_names: list[str], thread: ModelThread):
@@ -44,7 +51,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                 start = time.perf_counter_ns()
                 batch = [self._draft_request(prefix, u) for u in request.updates]
                 releases = [prefix + r for r in request.release]
-                trees = await self.thread.run(self._draft, releases, batch)
+                trees, later = await self.thread.run(self._draft, releases, batch)
                 if batch:
                     TREE_SECONDS.observe((time.perf_counter_ns() - start) / 1e9)
                     TREES.inc(len(batch))
@@ -52,6 +59,12 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                     iteration=request.iteration, draft_ns=time.perf_counter_ns() - start,
                     trees=[speculator_pb2.DraftTree(request_id=u.request_id, tree=tree_to_pb(t))
                            for u, t in zip(request.updates, trees)])
+                if later is not None:  # drafting during the verification of the trees just sent
+                    outcomes = await self.thread.run(later)
+                    yield speculator_pb2.SpeculateResponse(
+                        iteration=request.iteration, drafted_ahead=True,
+                        outcomes=[speculator_pb2.OutcomeTree(request_id=u.request_id, outcome=key, tree=tree_to_pb(t))
+                                  for u, ahead in zip(request.updates, outcomes) for key, t in ahead.items()])
         finally:
             await self.thread.run(self._release_stream, prefix)
 
@@ -60,14 +73,25 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
         sampling = validated(sampling_from_pb(u.sampling))
         features = [features_from_pb(f, f"features (request {u.request_id})") for f in u.features]
         return DraftRequest(prefix + u.request_id, list(u.new_token_ids), list(u.expansion), sampling,
-                            u.replacement, u.drafter, features)
+                            u.replacement, u.drafter, features, u.ahead)
 
-    def _draft(self, releases: list[str], batch: list[DraftRequest]) -> list[TokenTree]:
+    def _draft(self, releases: list[str], batch: list[DraftRequest]
+               ) -> tuple[list[TokenTree], Callable[[], list[dict[tuple[int, ...], TokenTree]]] | None]:
+        """Each request's tree, its SSMs' merged; and where some request asks to draft ahead, what does that
+        once the trees are sent (on this thread, before anything else runs on these requests): its trees
+        by outcome, the SSMs' merged."""
         for key in releases:
             self._release(key)
         self.keys.update(r.request_id for r in batch)
-        per_ssm = [s.draft(batch) for s in self.speculators]
-        return [trees[0] if len(trees) == 1 else merge(list(trees)) for trees in zip(*per_ssm)]
+        ahead = any(r.ahead for r in batch)
+        drafted = [s.draft_ahead(batch) if ahead and s.drafts_ahead else (s.draft(batch), None)
+                   for s in self.speculators]
+        trees = [merged(list(t)) for t in zip(*(t for t, _ in drafted))]
+        laters = [later for _, later in drafted if later is not None]
+        if not laters:
+            return trees, None
+        return trees, lambda: [{key: merged([o[key] for o in per if key in o]) for o in per for key in o}
+                               for per in zip(*(later() for later in laters))]
 
     def _release(self, key: str) -> None:
         self.keys.discard(key)

@@ -295,14 +295,18 @@ def test_services_bench_of_another_llm_drafts_with_lookup_alone_and_starts_no_sp
 
 def test_in_process_settings_are_the_managers_and_refuse_what_only_the_services_do():
     from specinfer.generate import Mode
-    from specinfer_bench.services import engine_settings, identical_share
+    from specinfer_bench.services import PREDRAFT_OUTCOMES, engine_settings, identical_share, manager_flags
 
     from specinfer.engine import default_tree_budget
 
     ssms = ["ssm-0", "ssm-1"]  # the engine takes them as they are
     assert engine_settings("off", ssms, "cpu") == {"ssms": [], "mode": Mode.INCREMENTAL}
     assert engine_settings("2,1,1@16", ssms, "cpu") == {
-        "ssms": ssms, "mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16, "adaptive": True, "lookup": True}
+        "ssms": ssms, "mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16, "adaptive": True, "lookup": True,
+        "draft_ahead": 0}
+    assert engine_settings("2,1,1@16@predraft", ssms, "cpu")["draft_ahead"] == PREDRAFT_OUTCOMES  # the manager's flag
+    flags = manager_flags("2,1,1@16@predraft", "v", ["s"])
+    assert flags[flags.index("--draft-ahead") + 1] == str(PREDRAFT_OUTCOMES)
     one = engine_settings("1,1@8@static@nolookup", ssms[:1], "cpu")
     assert one["mode"] == Mode.TREE and not one["adaptive"] and not one["lookup"]
     alone = engine_settings("2,1,1@16@alone", ssms, "cpu")  # context lookup without the SSMs, as the manager's
@@ -394,3 +398,21 @@ def test_the_invariance_probe_names_where_a_row_gets_other_bits(tmp_path):
         assert invariant[case]["first_differing_op"] is None or invariant[case]["first_differing_op"].startswith("refused: ")
     assert report["dense"]["row counts (1..600) where row 0 differs from row 0 alone"] == []
     assert "## Elementwise" in (tmp_path / "inv.md").read_text()
+
+
+def test_head_volume_puts_trained_and_scored_heads_side_by_side(tmp_path):
+    """A trained head's report gives its own reply tokens and steps; a scored head's come after its path."""
+    from specinfer_bench.head_volume import main
+
+    agreement = lambda x: {"prompts/code": {"first_token": x, "chain4_mean": 2 * x},  # noqa: E731
+                           "general_prompts/chat": {"first_token": x / 2, "chain4_mean": x}}
+    (tmp_path / "h0.json").write_text(json.dumps({"agreement": agreement(0.5)}))
+    (tmp_path / "h1.json").write_text(json.dumps({"agreement": agreement(0.6), "reply_tokens": 1_000_000, "steps": 1520}))
+    out = tmp_path / "volume"
+    main(["--report", f"head-0={tmp_path / 'h0.json'}:173910:1344", "--report", f"head-1={tmp_path / 'h1.json'}",
+          "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["head"], r["reply_tokens"], r["steps"]) for r in rows] == [("head-0", 173910, 1344), ("head-1", 1_000_000, 1520)]
+    text = out.with_suffix(".md").read_text()
+    assert "| head-1 | 1,000,000 | 1,520 | 60.0% (1.20) | 30.0% (0.60) |" in text
+    assert out.with_suffix(".png").stat().st_size > 0

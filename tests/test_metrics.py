@@ -130,6 +130,7 @@ def test_the_managers_engine_counters_come_back_whole_from_its_metrics_text():
     stats = Stats()
     for b, m, busy in [(2, 0, 0.004), (1, 3, 0.011), (3, 1, 0.009)]:
         stats.add(b, m, busy, busy / 2, busy / 4 if m else 0.0, 0.0005, busy * 0.6, busy / 3 if m else 0.0)
+    stats.predraft_hits, stats.predraft_misses = 5, 2
     registry, exporter = CollectorRegistry(), EngineSplit()
     registry.register(exporter)
     assert counters_from_text(generate_latest(registry).decode())["iterations"] == 0  # no engine yet: none exported

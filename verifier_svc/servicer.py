@@ -37,7 +37,8 @@ BEHIND = Counter("specinfer_verifier_steps_begun_behind_total", "steps begun on 
                  "before its verdicts were read (--overlap)")
 IDLE = Histogram("specinfer_verifier_idle_seconds", "per request, from the end of its step to the beginning of its "
                  "next one (0 where the next began behind it, on the device before its verdicts were read), by what "
-                 "the next step was: plain (no tree), miss (a tree drafted after the verdict)", ["next"],
+                 "the next step was: plain (no tree), miss (a tree drafted after the verdict), hit (a tree drafted "
+                 "ahead, during the step before)", ["next"],
                  buckets=(.0001, .00025, .0005, .001, .002, .005, .01, .02, .05, .1, .25, 1))
 REQUESTS = Gauge("specinfer_verifier_requests", "requests with a KV cache here")
 KV_FREE = Gauge("specinfer_kv_cache_free_tokens", "free token slots in the paged KV cache pool (the prefix "
@@ -69,6 +70,12 @@ def verify_requests(request: verifier_pb2.VerifyRequest, vocab_size: int) -> lis
     if len({req.request_id for req in batch}) != len(batch):
         raise ValueError("items: request ids must be unique within a batch")
     return batch
+
+
+def kinds(request: verifier_pb2.VerifyRequest) -> list[str]:
+    """What each item's step is, for IDLE: plain, or a tree drafted after the verdict before it (miss) or
+    during that step (hit)."""
+    return [("hit" if item.predrafted else "miss") if item.tree.token_ids else "plain" for item in request.items]
 
 
 def verify_response(batch: list[VerifyRequest], verdicts: list[Verdict], step_ns: int) -> verifier_pb2.VerifyResponse:
@@ -141,7 +148,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Verify(self, request: verifier_pb2.VerifyRequest, context) -> verifier_pb2.VerifyResponse:
         batch = verify_requests(request, self.verifier.model.cfg.vocab_size)
         lengths = [item.record_length for item in request.items]
-        return self._response(*await self._on_worker(self._step, list(request.release), batch, lengths))
+        return self._response(*await self._on_worker(self._step, list(request.release), batch, lengths, kinds(request)))
 
     @rpc_errors
     async def VerifyStream(self, requests, context):
@@ -174,7 +181,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 await lane.room.acquire()
                 lane.sent += 1
                 work = self._submit(self._advance, lane, list(request.release), batch,
-                                    [item.record_length for item in request.items])
+                                    [item.record_length for item in request.items], kinds(request))
                 work.add_done_callback(functools.partial(self._watch, lane, lane.sent))
         except Exception as e:  # noqa: BLE001 (a wrong message, bytes that do not parse: the stream's end)
             end = e
@@ -193,17 +200,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # on the model thread:
 
-    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int]):
+    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int], kinds: list[str]):
         """A step begun and ended: its batch, its verdicts and its time (ns)."""
         start = time.perf_counter_ns()
         self._admit(release + self._stale(), batch, lengths, None)
-        self._idle(batch, None)
+        self._idle(batch, kinds, None)
         verdicts = self.verifier.step(batch)
         end = time.perf_counter_ns()
         self.ended.update((req.request_id, end) for req in batch)
         return batch, verdicts, end - start
 
-    def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int]) -> Begun | None:
+    def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int],
+                 kinds: list[str]) -> Begun | None:
         """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
         it may follow it (which then ends), else after that one ends, and left running: unless ending
         it reads its logits, or every request of it verifies a tree (no request gets the one token a
@@ -215,7 +223,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return None
         if not self.overlap:
             try:
-                self._put(lane, self._step(release, batch, lengths))
+                self._put(lane, self._step(release, batch, lengths, kinds))
             except Exception as e:
                 self._put(lane, e)
                 raise
@@ -228,7 +236,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._end(lane, running)  # (an error there is on the stream already)
         try:
             self._admit(released, batch, lengths, after)
-            self._idle(batch, after)
+            self._idle(batch, kinds, after)
             begun = self.verifier.begin(batch, after)
         except Exception as e:
             if after is not None:  # the step it was to follow ends first
@@ -273,14 +281,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         lane.ended_ns = now
         self.ended.update((req.request_id, now) for req in begun.batch)
 
-    def _idle(self, batch: list[VerifyRequest], after: Begun | None) -> None:
+    def _idle(self, batch: list[VerifyRequest], kinds: list[str], after: Begun | None) -> None:
         """The verifier's wait for each request's step now beginning (IDLE), where it had a step before."""
         now = time.perf_counter_ns()
         behind = {req.request_id for req in after.batch} if after is not None else ()
-        for req in batch:
+        for req, kind in zip(batch, kinds):
             if (ended := self.ended.get(req.request_id)) is not None:
-                IDLE.labels(next="miss" if len(req.tree) else "plain").observe(
-                    0.0 if req.request_id in behind else max(0, now - ended) / 1e9)
+                IDLE.labels(next=kind).observe(0.0 if req.request_id in behind else max(0, now - ended) / 1e9)
 
     @staticmethod
     def _put(lane: "_Lane", answer) -> None:

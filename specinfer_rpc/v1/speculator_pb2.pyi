@@ -19,7 +19,7 @@ class SpeculateRequest(_message.Message):
     def __init__(self, iteration: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[DraftUpdate, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftUpdate(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "expansion", "sampling", "replacement", "drafter", "features")
+    __slots__ = ("request_id", "new_token_ids", "expansion", "sampling", "replacement", "drafter", "features", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPANSION_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class DraftUpdate(_message.Message):
     REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     expansion: _containers.RepeatedScalarFieldContainer[int]
@@ -34,17 +35,32 @@ class DraftUpdate(_message.Message):
     replacement: bool
     drafter: int
     features: _containers.RepeatedCompositeFieldContainer[_common_pb2.FeatureRows]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., replacement: _Optional[bool] = ..., drafter: _Optional[int] = ..., features: _Optional[_Iterable[_Union[_common_pb2.FeatureRows, _Mapping]]] = ...) -> None: ...
+    ahead: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., expansion: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., replacement: _Optional[bool] = ..., drafter: _Optional[int] = ..., features: _Optional[_Iterable[_Union[_common_pb2.FeatureRows, _Mapping]]] = ..., ahead: _Optional[int] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("iteration", "trees", "draft_ns")
+    __slots__ = ("iteration", "trees", "draft_ns", "drafted_ahead", "outcomes")
     ITERATION_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     iteration: int
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
     draft_ns: int
-    def __init__(self, iteration: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., draft_ns: _Optional[int] = ...) -> None: ...
+    drafted_ahead: bool
+    outcomes: _containers.RepeatedCompositeFieldContainer[OutcomeTree]
+    def __init__(self, iteration: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., draft_ns: _Optional[int] = ..., drafted_ahead: _Optional[bool] = ..., outcomes: _Optional[_Iterable[_Union[OutcomeTree, _Mapping]]] = ...) -> None: ...
+
+class OutcomeTree(_message.Message):
+    __slots__ = ("request_id", "outcome", "tree")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    tree: _common_pb2.TokenTree
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("request_id", "tree")

@@ -52,7 +52,8 @@ class SpeculatorServicer:
 
     def Speculate(self, request_iterator, context):
         """One long-lived stream per manager. Per iteration the manager sends one SpeculateRequest and
-        the speculator answers with one SpeculateResponse carrying the same iteration number.
+        the speculator answers with one SpeculateResponse carrying the same iteration number, and a second
+        one (drafted_ahead set) when some update asked it to draft ahead.
         The speculator's per-request state belongs to the stream: it is freed when the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

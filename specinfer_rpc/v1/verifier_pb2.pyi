@@ -17,7 +17,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed", "prefill_only", "output_start", "stop_token_ids")
+    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed", "prefill_only", "output_start", "stop_token_ids", "predrafted")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class VerifyItem(_message.Message):
     PREFILL_ONLY_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     record_length: int
@@ -44,7 +45,8 @@ class VerifyItem(_message.Message):
     prefill_only: bool
     output_start: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ..., prefill_only: _Optional[bool] = ..., output_start: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    predrafted: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ..., prefill_only: _Optional[bool] = ..., output_start: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., predrafted: _Optional[bool] = ...) -> None: ...
 
 class AllowedTokens(_message.Message):
     __slots__ = ("masks", "index")

@@ -1,0 +1,78 @@
+"""Distilled data against a head's agreement (issue 98): heads trained by `specinfer train-head` on more or
+fewer of the LLM's replies, side by side: each one's reply tokens, training steps, and first-token agreement
+and mean accepted chain on every held-out set its report scored, as a table and a plot.
+
+    python -m specinfer_bench.head_volume --report head-0=H0.json --report 'head-1 (quarter)=Q.json' ... \\
+        --out bench/results/head_volume_cpu
+
+Each REPORT is `specinfer train-head --report` output (a trained head's; `--score-only`'s has no training
+figures: give them after the path as `:REPLY_TOKENS:STEPS`, e.g. head-0's from models/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .report import _plt, command_line, machine
+
+
+def load(spec: str) -> dict:
+    """One head's row from LABEL=PATH[:REPLY_TOKENS:STEPS]."""
+    label, rest = spec.split("=", 1)
+    path, *figures = rest.split(":")
+    report = json.loads(Path(path).read_text())
+    tokens, steps = (int(f) for f in figures) if figures else (report["reply_tokens"], report["steps"])
+    return {"head": label, "reply_tokens": tokens, "steps": steps, "agreement": report["agreement"]}
+
+
+def markdown(rows: list[dict], command: str, machine_text: str) -> str:
+    sets = list(rows[0]["agreement"])
+    lines = [f"# A head's agreement against its distilled data ({machine_text})", "", f"`{command}`", "",
+             "First-token agreement with the LLM's greedy continuations of the held-out requests (teacher-forced on "
+             "its features; mean accepted length of a chain of 4 drafts in brackets)", "",
+             "| head | reply tokens | steps | " + " | ".join(sets) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in sets) + " |"]
+    for r in rows:
+        cells = [f"{a['first_token']:.1%} ({a['chain4_mean']:.2f})" for a in (r["agreement"][s] for s in sets)]
+        lines.append(f"| {r['head']} | {r['reply_tokens']:,} | {r['steps']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, machine_text: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k, name in enumerate(rows[0]["agreement"]):
+        xs = [r["reply_tokens"] for r in rows]
+        ys = [100 * r["agreement"][name]["first_token"] for r in rows]
+        ax.plot(xs, ys, marker="o", color=f"C{k}", label=name)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(r["head"], (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set_xscale("log")
+    ax.set_xlabel("the LLM's reply tokens trained on")
+    ax.set_ylabel("first-token agreement, %")
+    ax.set_title(f"distilled data against agreement\n{machine_text}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--report", action="append", required=True, help="LABEL=PATH[:REPLY_TOKENS:STEPS], repeatable")
+    ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
+    args = ap.parse_args(argv)
+    rows = [load(spec) for spec in args.report]
+    command, machine_text = command_line("python -m specinfer_bench.head_volume", argv), machine()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine_text, "rows": rows},
+                                                        indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(rows, command, machine_text))
+    plot(rows, args.out.with_suffix(".png"), machine_text)
+    print(args.out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
