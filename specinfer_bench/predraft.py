@@ -1,0 +1,79 @@
+"""How often drafting during verification hits (issue 95): in process, the default LLM and its SSM on a fixed
+tree, greedy, each kind of held-out request (code prompts, chat requests, general requests) decoded with the
+SSM drafting ahead for N outcomes of each step, N = 0 (drafting after each verdict) and the N given: the
+share of request steps whose tree was drafted ahead for the outcome the step before emitted, tokens per step,
+and whether the tokens are those of N = 0 (they must be). In process the drafter shares the verifier's
+device, so time is not what this measures: through the services, `python -m specinfer_bench.services
+--configs '...@predraft'`.
+
+    python -m specinfer_bench.predraft --out bench/results/predraft_hits_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specinfer.checkpoints import DEFAULT_LLM, default_heldout, default_ssms
+from specinfer.generate import Engine, Mode, Request
+from specinfer.model import LlamaModel
+from specinfer.prompts import read_prompt_file
+
+from .inprocess import load_prompt_ids
+from .report import command_line, machine
+
+
+def kinds() -> dict[str, list[dict]]:
+    """The default LLM's held-out requests by kind."""
+    code_chat, general = (read_prompt_file(f) for f in default_heldout())
+    return {"code": [r for r in code_chat if "prompt" in r], "chat": [r for r in code_chat if "messages" in r],
+            "general": general}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--outcomes", default="1,2,4,8", help="N: outcomes drafted ahead per step, comma-separated")
+    ap.add_argument("--expansion", default="2,1,1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, required=True, help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    llm, ssm = LlamaModel.from_pretrained(DEFAULT_LLM), LlamaModel.from_pretrained(default_ssms()[0])
+    expansion, outcomes = [int(k) for k in args.expansion.split(",")], [int(n) for n in args.outcomes.split(",")]
+    rows = []
+    for kind, records in tqdm(kinds().items(), desc="kinds"):
+        requests = [Request(p, args.max_new_tokens) for p in load_prompt_ids(DEFAULT_LLM, records)]
+        reference = None
+        for n in [0, *outcomes]:
+            engine = Engine(llm, [ssm], Mode.TREE, expansion, draft_ahead=n)
+            gens = engine.generate(requests)
+            tokens = [g.token_ids for g in gens]
+            reference = reference or tokens
+            stats = engine.engine.stats
+            tried = stats.predraft_hits + stats.predraft_misses
+            rows.append({"kind": kind, "requests": len(requests), "outcomes": n, "hits": stats.predraft_hits,
+                         "drafted_ahead_steps": tried, "hit_rate": round(stats.predraft_hits / tried, 3) if tried else None,
+                         "tokens_per_step": round(sum(map(len, tokens)) / sum(g.steps for g in gens), 3),
+                         "tokens_as_without": tokens == reference})
+    command = command_line("python -m specinfer_bench.predraft", argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine(), "rows": rows},
+                                                        indent=2) + "\n")
+    lines = [f"# Drafting during verification: hits in process ({machine()})", "", f"`{command}`", "",
+             f"SmolLM2 and SSM 0, tree {args.expansion} every step (no controller, no context lookup), greedy, "
+             f"{args.max_new_tokens} new tokens; a hit: the step's tree was drafted ahead for the outcome of the "
+             "step before; steps drafted ahead for: those after a step with a tree (not a request's first)", "",
+             "| requests | outcomes drafted ahead | hit rate | hits / steps drafted ahead for | tokens per step | "
+             "tokens as drafting after each verdict |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
+        lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {rate} | {r['hits']} / "
+                     f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
