@@ -40,21 +40,29 @@ def markdown(rows: list[dict], command: str, machine_text: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def head_of(row: dict) -> str:
+    """The head a row is a checkpoint of: its label's first word ("head-1, quarter" -> "head-1")."""
+    return row["head"].split()[0].rstrip(",")
+
+
 def plot(rows: list[dict], path: Path, machine_text: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    heads = list(dict.fromkeys(head_of(r) for r in rows))  # a line per head (its data's checkpoints), a marker each
     for k, name in enumerate(rows[0]["agreement"]):
-        xs = [r["reply_tokens"] for r in rows]
-        ys = [100 * r["agreement"][name]["first_token"] for r in rows]
-        ax.plot(xs, ys, marker="o", color=f"C{k}", label=name)
-        for r, x, y in zip(rows, xs, ys):
-            ax.annotate(r["head"], (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        for j, head in enumerate(heads):
+            mine = [r for r in rows if head_of(r) == head]
+            xs = [r["reply_tokens"] for r in mine]
+            ys = [100 * r["agreement"][name]["first_token"] for r in mine]
+            ax.plot(xs, ys, marker="osD^v"[j % 5], color=f"C{k}", label=f"{name}, {head}")
+            for r, x, y in zip(mine, xs, ys):
+                ax.annotate(r["head"], (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
     ax.set_xscale("log")
     ax.set_xlabel("the LLM's reply tokens trained on")
     ax.set_ylabel("first-token agreement, %")
     ax.set_title(f"distilled data against agreement\n{machine_text}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
