@@ -982,7 +982,8 @@ class SpeculativeEngine:
         seqs = {s.id: s for s, _ in drafting}
         each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
         ahead = await self._drafted_ahead()
-        hits = [self._hits(ahead[i], drafts, seqs) for i, drafts in enumerate(each)]
+        hits = ([self._hits(ahead[i], drafts, seqs) for i, drafts in enumerate(each)] if self.draft_ahead
+                else [{} for _ in each])  # (off: no loop over the batch for it)
         calls = [i for i, drafts in enumerate(each) if drafts]  # lookup found a chain for every request: none
         # a drafter whose every tree was drafted ahead is not waited for: it is told the step and drafts ahead
         # again meanwhile (its trees, the same, are not needed)
@@ -993,7 +994,7 @@ class SpeculativeEngine:
         for i, answer in zip(waits, await gather(*(self.drafters[i].draft(each[i]) for i in waits))):
             answers[i] = {**answer, **hits[i]}
         drafted = time.perf_counter() - drafted if waits else 0.0
-        predrafted = self._count_predrafts(each, ahead, hits)
+        predrafted = self._count_predrafts(each, ahead, hits) if self.draft_ahead else set()
         asked_ids = {d.request_id for drafts in each for d in drafts}
         fed = [{d.request_id for d in drafts} for drafts, drafter in zip(each, self.drafters) if drafter.wants_features]
         for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)

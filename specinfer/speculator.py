@@ -276,11 +276,11 @@ class Speculator:
         parts = g.candidates + [_candidates(logits, outcomes)]
         ids = torch.cat([t.flatten() for t, _ in parts]).tolist()  # the pre-draft's synchronization and copies
         logq = torch.cat([q.flatten() for _, q in parts]).tolist()
-        rows = [(rows, t.shape[1]) for (rows, _, _), (t, _) in zip(g.levels, g.candidates)]
-        rows.append(([_Row(i, u, 0) for i in reqs for u in leaves[i]], outcomes))
+        widths = [(level_rows, t.shape[1]) for (level_rows, _, _), (t, _) in zip(g.levels, g.candidates)]
+        widths.append(([_Row(i, u, 0) for i in reqs for u in leaves[i]], outcomes))
         q: dict[int, dict[int, list[tuple[int, float]]]] = {i: {} for i in reqs}  # request -> node -> its top tokens
         at = 0
-        for level, width in rows:
+        for level, width in widths:
             for row in level:
                 if g.ahead[row.request]:
                     q[row.request][row.node] = list(zip(ids[at: at + width], logq[at: at + width]))
