@@ -92,7 +92,8 @@ class ManagerConfig(ServerConfig):
                                       "core, and the overlap slows its steps as much as it saves)")
     draft_ahead: int = option(0, "drafting during verification: the speculators draft each tree's next trees for this "
                                  "many of the likeliest outcomes of verifying it, and a step whose outcome they drafted "
-                                 "for leaves without waiting for them (greedy requests on fixed trees; 0: off)")
+                                 "for leaves without waiting for them (greedy requests on fixed trees; 0: off). The "
+                                 "adaptive controller drafts ahead on the steps where it prices it faster")
     verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
@@ -137,7 +138,8 @@ async def main(cfg: ManagerConfig) -> None:
     tokenizer = Tokenizer.from_file(str(checkpoint_dir(cfg.tokenizer) / "tokenizer.json"))
     grammars = Grammars(tokenizer.to_str(), vinfo.vocab_size, list(vinfo.eos_token_ids))
     engine = SpeculativeEngine(verifier, speculators, set(vinfo.eos_token_ids), cfg.expansion, tree_budget,
-                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens, trees=bool(speculators))
+                               SpeculationController(lookup=lookup, chain=cfg.lookup_tokens, trees=bool(speculators),
+                                                     ahead=cfg.draft_ahead > 0)
                                if cfg.adaptive and (speculators or lookup) else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
                                prediction_tokens(vinfo.device), cfg.draft_ahead)

@@ -55,6 +55,16 @@ the model does not see decide (a speculator that sat out plain steps catches up 
 the fits' own error); without the margin, near-tie trees at two streams on a CPU ran below no
 speculation.
 
+Drafting ahead (`ahead`: the engine's draft_ahead): each tree choice has a twin on which the drafters,
+once they have sent their trees, draft the next ones for the likeliest outcomes while the verifier checks
+these (engine.py). Its tokens are its twin's; its cost is measured whole, from the steps that drafted ahead
+behind a step that did too (the first cannot hit), fitted to [1, B, rows, waited, waited m] (waited: the
+engine waited for a drafter's tree, because some request's outcome was not drafted ahead), and predicted at
+waited = 1 - h^B, h the measured share of requests drafted ahead for whose outcome was (Share). So it is
+chosen where the hits save more than the drafting during the verifier's step costs it: on a drafter with a
+device of its own, not where the drafter shares the verifier's cores. A look at it lasts AHEAD_LOOK
+iterations, so that it is seen held.
+
 Each drafter's own share, per request: the engine measures how deep the LLM accepted each drafter's
 tree alone (every speculator, context lookup and the grammar apart), pooled over requests and per
 request (pulled towards the pooled figures). On the server's expansion a speculator drafts a level
@@ -79,7 +89,7 @@ concurrent requests on a CPU, where plain decoding wins, a look every 16 iterati
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -156,6 +166,12 @@ class Choice:
 
     depth: int  # levels of the server's expansion config (0: no tree, plain decoding)
     speculators: bool = True  # the SSMs draft (with context lookup merged in when on); False: lookup's chain first
+    ahead: bool = False  # and while the verifier checks their trees, they draft the next ones (the engine's draft_ahead)
+
+    @property
+    def trees(self) -> "Choice":
+        """The choice whose trees this one verifies (drafting ahead changes when they are drafted, not what)."""
+        return replace(self, ahead=False) if self.ahead else self
 
 
 PLAIN = Choice(0)
@@ -183,6 +199,10 @@ class Iteration:
     # None where lookup found none (lookup.chain_outcome)
     chains: list[tuple[int, int] | None] = field(default_factory=list)
     ahead: bool = False  # a plain step sent ahead of its answer: `seconds` is what it added behind the one before
+    # drafting ahead: of the requests some drafter drafted ahead for, whether every drafter asked had drafted
+    # their realised outcome (a hit); and whether the engine waited for a drafter's tree this step
+    predrafts: list[bool] = field(default_factory=list)
+    waited: bool = True
 
 
 @dataclass
@@ -263,6 +283,8 @@ class Looks:
     gap: int = 0  # iterations between looks now
     next_look: int = 0  # the iteration of the next look
     count: int = 0  # looks so far (taking the neighbours in turn)
+    run: int = 0  # iterations left of a look at drafting ahead (AHEAD_LOOK)
+    looking: Choice | None = None  # and the choice it looks at
 
 
 PLAIN_SETTLED = 4  # a plain step's rest, and plain steps sent ahead, have their own fits from this many samples
@@ -270,12 +292,13 @@ WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or 
 # shapes, buffers grown): their costs are left out of the fits (see SpeculationController.record)
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
 PROBE = 8  # a drafter cut off from a request drafts one level for it every PROBE steps
+AHEAD_LOOK = 3  # iterations of a look at drafting ahead: its first cannot hit (nothing was drafted ahead for it)
 
 
 class SpeculationController:
     def __init__(self, explore: int = 16, window: int = 256, prior: float = 0.5, prior_weight: float = 2.0,
                  forget: float = 0.99, explore_max: int = 64, margin: float = 0.1, lookup: bool = False,
-                 chain: int = 0, trees: bool = True):
+                 chain: int = 0, trees: bool = True, ahead: bool = False):
         if not (trees or lookup):
             raise ValueError("a controller needs something to choose: drafters' trees or context lookup's chain")
         self.explore, self.explore_max = explore, explore_max
@@ -283,8 +306,12 @@ class SpeculationController:
         self.lookup = lookup  # lookup's chain first is a choice
         self.trees = trees  # drafters draft trees (False: no drafter, lookup's chain or none are the choices)
         self.chain = chain  # lookup's longest chain (0: as deep as the trees)
+        self.ahead = ahead and trees  # the drafters may draft ahead: each tree choice has a twin that does
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
         self.plain_rest, self.plain_ahead = Fit(window), Fit(window)  # a plain step's rest; one sent ahead, whole
+        self.held_ahead = Fit(window)  # a step drafting ahead behind another that did, whole
+        self.predraft = Share(prior, prior_weight, forget)  # of the requests drafted ahead for, the share hit
+        self.last: Choice | None = None  # the choice of the step recorded last
         self.chained: dict[int, bool] = {}  # batch size -> whether its plain steps would be sent ahead (last told)
         # the SSMs' trees (True) and lookup's chains (False), measured apart
         self.acceptance = {k: Acceptance(prior, prior_weight, forget) for k in (True, False)}
@@ -329,16 +356,17 @@ class SpeculationController:
 
     def choices(self, top: int) -> list[Choice]:
         """In order: none, lookup's chain first (every level), the SSMs' trees of depth 1..top (with
-        drafters)."""
+        drafters), and (drafting ahead on) the same trees drafted ahead."""
         if top == 0:
             return [PLAIN]
-        return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + \
-            ([Choice(m) for m in range(1, top + 1)] if self.trees else [])
+        trees = [Choice(m) for m in range(1, top + 1)] if self.trees else []
+        return [PLAIN] + ([Choice(top, False)] if self.lookup else []) + trees + \
+            ([replace(c, ahead=True) for c in trees] if self.ahead else [])
 
     def tree_nodes(self, choice: Choice, full_tree: int) -> float:
         if not choice.depth:
             return 0.0
-        return self.nodes.get(choice, float(full_tree if choice.speculators else choice.depth))
+        return self.nodes.get(choice.trees, float(full_tree if choice.speculators else choice.depth))
 
     def rate(self, batch_size: int, choice: Choice, full_tree: int, chained: bool = False) -> float:
         """Predicted tokens per second of the batch (full_tree: nodes of one speculator's tree of the
@@ -355,7 +383,13 @@ class SpeculationController:
         share = (1.0 if choice.speculators else self.fallback()) if m else 0.0  # of the requests, drafted by the SSMs
         asked = 1.0 - (1.0 - share) ** batch_size if self.trees else 0.0  # the chance that the SSMs are asked at all
         nodes = self.tree_nodes(choice, full_tree)
-        verify = self.verify([1.0, batch_size, batch_size * (1 + nodes), float(m > 0)])
+        rows = batch_size * (1 + nodes)
+        verify = self.verify([1.0, batch_size, rows, float(m > 0)])
+        if choice.ahead:  # the engine waits for the drafters unless every request's tree was drafted ahead
+            miss = 1.0 - self.predraft() ** batch_size
+            whole = self.held_ahead([1.0, batch_size, rows, miss, miss * m])
+            draft = miss * self.draft([1.0, m, batch_size * full_tree])
+            return self.expected_tokens(choice, share), verify, draft, whole - verify - draft
         if m:
             draft = asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0
             return self.expected_tokens(choice, share), verify, draft, self.overhead([1.0, batch_size, asked])
@@ -395,6 +429,9 @@ class SpeculationController:
                 return c
         look = self.looks.setdefault(batch_size, Looks())
         look.iterations += 1
+        if look.run and look.looking in options:  # a look at drafting ahead goes on
+            look.run -= 1
+            return look.looking
         chained = self.chained[batch_size]
         if (look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees
                 and look.chained == chained):
@@ -415,7 +452,10 @@ class SpeculationController:
             look.next_look = look.iterations + look.gap
             look.count += 1
             near = self.neighbours(options, best)
-            return near[(look.count - 1) % len(near)]
+            c = near[(look.count - 1) % len(near)]
+            if c.ahead:
+                look.run, look.looking = AHEAD_LOOK - 1, c
+            return c
         return options[best]
 
     def summary(self) -> dict:
@@ -428,7 +468,8 @@ class SpeculationController:
         sent ahead, the rest is what a step took beyond its verifier step: below 0 where the step ran
         behind the one before)."""
         def label(c: Choice) -> str:
-            return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}"
+            return "none" if not c.depth else f"{'trees' if c.speculators else 'lookup'} {c.depth}" + \
+                (" ahead" if c.ahead else "")
 
         def predicted(b: int) -> dict[Choice, tuple[float, float, float, float]]:
             full, chained = self.full_trees[b], self.chained.get(b, False)
@@ -452,10 +493,16 @@ class SpeculationController:
 
     def neighbours(self, options: list[Choice], i: int) -> list[Choice]:
         """The choices a look from options[i] alternates between: the next shallower and the next
-        deeper SSM tree (none counting as depth 0), and lookup's chain first beside none and depth 1
-        (and, from it, those two), so that from any choice every kind of draft is still looked at."""
+        deeper SSM tree (none counting as depth 0), lookup's chain first beside none and depth 1
+        (and, from it, those two), and a tree's twin drafted ahead (from it: the same trees drafted after
+        the verdict, and its shallower and deeper twins), so that from any choice every kind of draft is
+        still looked at."""
         c = options[i]
-        ssm = [o for o in options if o.speculators or not o.depth]  # none, depth 1..top
+        if c.ahead:
+            twins = [o for o in options if o.ahead]
+            j = twins.index(c)
+            return [c.trees] + twins[max(j - 1, 0) : j] + twins[j + 1 : j + 2]
+        ssm = [o for o in options if (o.speculators or not o.depth) and not o.ahead]  # none, depth 1..top
         lookup = [o for o in options if not o.speculators and o.depth]
         if c in lookup:
             return ssm[:2]
@@ -463,6 +510,8 @@ class SpeculationController:
         near = ssm[max(j - 1, 0) : j] + ssm[j + 1 : j + 2]
         if c.depth <= 1:
             near += lookup
+        if self.ahead and c.depth:
+            near.append(replace(c, ahead=True))
         return near or [c]
 
     def record(self, step: Iteration) -> None:
@@ -473,21 +522,29 @@ class SpeculationController:
         step enters whole, and the drafting fit, which hears only from steps that draft, then keeps
         it in its window for as long as it holds the choice on plain decoding."""
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
+        held = step.choice.ahead and self.last is not None and self.last.ahead
+        self.last = step.choice
         ran = self.ran.setdefault(step.batch_size, {}).setdefault(step.choice, [0, 0, 0.0, 0.0, 0.0])
         for i, v in enumerate((1, step.batch_size + sum(a for a, _ in step.accepted),  # each request's token and
                                step.seconds, step.verify_s, step.draft_s)):           # its accepted drafts
             ran[i] += v
-        if self.seen[step.choice] > WARMUP:
+        waited = step.draft_levels > 0 and step.waited  # the engine waited for a drafter's tree
+        if held and self.seen[step.choice] > WARMUP:  # drafting ahead behind a step that did: what it took, whole
+            self.held_ahead.add([1.0, step.batch_size, step.rows, float(waited), waited * step.choice.depth],
+                                step.seconds)
+        elif not step.choice.ahead and self.seen[step.choice] > WARMUP:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
-            if step.draft_levels:
+            if waited:
                 self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
             if step.trees:
-                self.overhead.add([1.0, step.batch_size, float(step.draft_levels > 0)],
+                self.overhead.add([1.0, step.batch_size, float(waited)],
                                   max(0.0, step.seconds - step.verify_s - step.draft_s))
             elif step.ahead:  # a plain step sent ahead: what it took, its rest hidden behind the step before
                 self.plain_ahead.add([1.0, step.batch_size], step.seconds)
             else:
                 self.plain_rest.add([1.0, step.batch_size], max(0.0, step.seconds - step.verify_s - step.draft_s))
+        if step.predrafts:
+            self.predraft.record(step.predrafts)
         if not step.choice.depth or not step.accepted:
             return
         self.acceptance[True].record([a for a, asked in zip(step.accepted, step.asked) if asked]
@@ -496,5 +553,5 @@ class SpeculationController:
             self.acceptance[False].record([c for c in step.chains if c is not None])
             self.fallback.record([c is None for c in step.chains])
         mean_nodes = sum(step.tree_nodes) / len(step.tree_nodes)
-        old = self.nodes.get(step.choice)
-        self.nodes[step.choice] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes
+        old = self.nodes.get(step.choice.trees)
+        self.nodes[step.choice.trees] = mean_nodes if old is None else 0.9 * old + 0.1 * mean_nodes

@@ -39,7 +39,9 @@ verdict's tokens are such an outcome for every drafter a request asks, its next 
 batch whose requests all hit leaves without waiting for the drafters, which are told the step and draft
 ahead again meanwhile (their trees, the same, are not awaited). A miss waits for the drafters as before.
 Any tree is exact under greedy decoding, so a hit changes only when the step leaves. In process the
-drafters share the verifier's device: drafting ahead costs there and saves no wait.
+drafters share the verifier's device: drafting ahead costs there and saves no wait. With a controller,
+drafting ahead is one of its choices, priced by the hit rate and what the steps drafting ahead took
+(controller.py): the drafters draft ahead only on the steps it chose so.
 
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
@@ -446,6 +448,7 @@ class Round:
     asked: set[str] = field(default_factory=set)
     drafted: float = 0.0
     predrafted: set[str] = field(default_factory=set)  # requests whose drafters' trees were all drafted ahead
+    tried: set[str] = field(default_factory=set)  # requests some drafter drafted ahead for (hit or missed)
     # constrained: each constrained request's allowed tokens per row and its forced tokens; the grammar's time
     allowed: dict[str, AllowedTokens] = field(default_factory=dict)
     forced: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -605,7 +608,7 @@ class SpeculativeEngine:
     async def _draft(self, r: Round) -> None:
         """Draft: the drafters' trees merged with context lookup's chains (`_drafted_trees`), and each
         prediction's chain merged in."""
-        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted, r.predrafted) = \
+        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted, r.predrafted, r.tried) = \
             await self._drafted_trees(r.batch, r.choice, r.fits, r.predicted)
         for s in r.batch:
             if chain := r.predicted.get(s.id):
@@ -686,7 +689,8 @@ class SpeculativeEngine:
             accepted=[(len(t) - 1 if s.id in r.trees else 0, len(r.plans[s.id])) for s, t in on_server],
             tree_nodes=[len(r.trees.get(s.id, ())) for s, _ in on_server],
             asked=[s.id in r.asked for s, _ in on_server],
-            chains=[chain_outcome(*r.chains[s.id], t) if s.id in r.chains else None for s, t in on_server]))
+            chains=[chain_outcome(*r.chains[s.id], t) if s.id in r.chains else None for s, t in on_server],
+            predrafts=[s.id in r.predrafted for s in r.batch if s.id in r.tried], waited=r.drafted > 0))
 
     def _commit_all(self, r: Round, verified: list[Verified]) -> list[tuple[Sequence, Chunk]]:
         """Commit: each request's accepted tokens (its features kept for its next draft), and each
@@ -945,31 +949,36 @@ class SpeculativeEngine:
     async def _drafted_trees(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
                      ) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
-            dict[str, tuple[list[int], int]], tuple[int, int, set[str], float]]:
+            dict[str, tuple[list[int], int]], tuple[int, int, set[str], float, set[str], set[str]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), the
         trees it merged by drafter number (context lookup's: the number after the drafters'), the
         expansion config each request was planned (at its prompt's step too, undrafted there: it then
         asks the prompt's features for a feature drafter), with context lookup on the chain it found
         for each (maybe none) and the most tokens it could have drafted, and the deepest tree asked of
         the drafters (0: they were not asked), the nodes asked in all, the requests they were asked
-        for and the seconds spent awaiting their trees. A request in `predicted` drafts from its
+        for, the seconds spent awaiting their trees, the requests whose trees were all drafted ahead and those
+        some drafter drafted ahead for. A request in `predicted` drafts from its
         prediction this step, merged with lookup's chain: the drafters are not asked for it, and no
         reason for having no tree is counted for it."""
         drafting, first = [], {}  # first: those planned a tree at their prompt's step, undrafted (FIRST_TOKEN_FIRST)
+        # the drafters draft ahead on the server's trees where the controller chose so (without one, and on a
+        # request's own expansion: always, if asked to)
+        ahead = self.draft_ahead if self.controller is None or choice.ahead else 0
         for s in batch:
             if ((plan := self._planned(s, choice)) and self.controller is not None and s.expansion is None and not s.steps
                     and s.id not in predicted):
                 first[s.id] = plan
                 s.no_tree[FIRST_TOKEN_FIRST] += 1
             elif plan:
-                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features, self.draft_ahead)))
+                drafting.append((s, Draft(s.id, s.record, plan, s.request.sampling, s.features,
+                                          self.draft_ahead if s.expansion is not None else ahead)))
             elif s.id not in predicted:
                 s.no_tree[self._why_no_plan(s, len(batch), fits)] += 1
         if not drafting or not (self.drafters or self.lookup):
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 if s.id not in predicted:
                     s.no_tree["no drafters configured"] += 1
-            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0, set())
+            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0, set(), set())
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
@@ -981,8 +990,8 @@ class SpeculativeEngine:
                  if self.drafters else [])
         seqs = {s.id: s for s, _ in drafting}
         each = [self._drafts_for(i, asked, seqs) for i in range(len(self.drafters))]
-        ahead = await self._drafted_ahead()
-        hits = ([self._hits(ahead[i], drafts, seqs) for i, drafts in enumerate(each)] if self.draft_ahead
+        drafted_ahead = await self._drafted_ahead()
+        hits = ([self._hits(drafted_ahead[i], drafts, seqs) for i, drafts in enumerate(each)] if self.draft_ahead
                 else [{} for _ in each])  # (off: no loop over the batch for it)
         calls = [i for i, drafts in enumerate(each) if drafts]  # lookup found a chain for every request: none
         # a drafter whose every tree was drafted ahead is not waited for: it is told the step and drafts ahead
@@ -994,7 +1003,7 @@ class SpeculativeEngine:
         for i, answer in zip(waits, await gather(*(self.drafters[i].draft(each[i]) for i in waits))):
             answers[i] = {**answer, **hits[i]}
         drafted = time.perf_counter() - drafted if waits else 0.0
-        predrafted = self._count_predrafts(each, ahead, hits) if self.draft_ahead else set()
+        predrafted, tried = self._count_predrafts(each, drafted_ahead, hits) if self.draft_ahead else (set(), set())
         asked_ids = {d.request_id for drafts in each for d in drafts}
         fed = [{d.request_id for d in drafts} for drafts, drafter in zip(each, self.drafters) if drafter.wants_features]
         for s, _ in drafting:  # the feature drafters have had these (a drafter that failed lost them)
@@ -1016,7 +1025,7 @@ class SpeculativeEngine:
             sources[s.id] = trees
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
                      max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
-                     drafted, predrafted)
+                     drafted, predrafted, tried)
         return merged, sources, {**first, **{s.id: d.expansion for s, d in drafting}}, chains, asked_for
 
     async def _drafted_ahead(self) -> list[dict[str, dict[tuple[int, ...], TokenTree]]]:
@@ -1040,9 +1049,9 @@ class SpeculativeEngine:
         return out
 
     def _count_predrafts(self, each: list[list[Draft]], ahead: list[dict], hits: list[dict[str, TokenTree]]
-                         ) -> set[str]:
-        """The requests every drafter asked had drafted ahead for (Stats: hits, and misses where some drafter
-        drafted ahead for the request's last step and the outcome was not among its)."""
+                         ) -> tuple[set[str], set[str]]:
+        """The requests every drafter asked had drafted ahead for, and those some drafter drafted ahead for
+        the request's last step (Stats: hits, and misses where the outcome was not among its)."""
         asked: dict[str, list[int]] = {}
         for i, drafts in enumerate(each):
             for d in drafts:
@@ -1051,7 +1060,7 @@ class SpeculativeEngine:
         tried = {rid for rid, by in asked.items() if any(rid in ahead[i] for i in by)}
         self.stats.predraft_hits += len(hit)
         self.stats.predraft_misses += len(tried - hit)
-        return hit
+        return hit, tried
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:
         """What drafter number `drafter` drafts this step: for requests on the server's expansion, as

@@ -151,7 +151,8 @@ class Engine:
             LocalVerifier(self.verifier),
             [LocalDrafter(d, i, replacement) for i, d in enumerate(drafters)],
             set(llm.cfg.eos_token_ids), expansion, tree_budget,
-            SpeculationController(lookup=lookup, chain=lookup_tokens, trees=bool(drafters)) if adaptive else None, lookup,
+            SpeculationController(lookup=lookup, chain=lookup_tokens, trees=bool(drafters), ahead=draft_ahead > 0)
+            if adaptive else None, lookup,
             lookup_tokens, grammars, prefill_chunk, prediction_tokens=prediction_tokens(llm.device.type),
             draft_ahead=draft_ahead)
 

@@ -1,13 +1,14 @@
 """The speculation controller picks the depth of the server's trees that its fitted cost model and the
 measured acceptance say yields the most tokens per second, per batch size (simulated costs)."""
 
+import itertools
 import random
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from specinfer.controller import PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
+from specinfer.controller import AHEAD_LOOK, PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -15,7 +16,7 @@ EXPANSION = [2, 1, 1, 1]
 
 def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
              chain_accept=0.0, chain_found=1.0, chain=0, first=(0, 0.0), tree_overhead=None, chained=False,
-             told=None):
+             told=None, ahead=None):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
     seconds per level the speculators draft, each draft token accepted (given its parent was) with
     probability `accept`. With lookup on (the controller's), context lookup finds a chain of `chain`
@@ -27,13 +28,17 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     `overhead` is each step's rest (`tree_overhead` a tree step's, where given); `chained`: as the engine
     sends plain steps ahead, the next choice is made before a step is recorded, and a plain step whose
     next is plain too hides its rest behind the verifier's step (it costs the longer of the two); the
-    controller is told so (`choose`'s chained) unless `told` says otherwise.
-    Returns how often each choice was made over the second half: the SSMs' depth, or "lookup"."""
+    controller is told so (`choose`'s chained) unless `told` says otherwise. ahead = (hit, cost): on a step
+    behind one that drafted ahead, each request's tree was drafted ahead with probability `hit`, and where
+    every request's was the step does not wait for the drafters; a step drafting ahead slows the verifier's
+    by `cost` seconds (a drafter sharing its device).
+    Returns how often each choice was made over the second half: the SSMs' depth, "lookup", or ("ahead", depth)."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     chosen, runs = Counter(), Counter()
     told = chained if told is None else told
     c = controller.choose(batch_size, full, told)
+    drafted_ahead = False  # the step before drafted ahead
 
     def run(p, depth):  # tokens of a path accepted with probability p each, at most depth
         a = 0
@@ -44,7 +49,7 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     for i in range(iterations):
         m = c.depth
         if i >= iterations // 2:
-            chosen[m if c.speculators else "lookup"] += 1
+            chosen[("ahead", m) if c.ahead else m if c.speculators else "lookup"] += 1
         accepted, nodes, asked, chains = [], [], [], []
         for _ in range(batch_size * bool(m)):
             found = controller.lookup and rng.random() < chain_found
@@ -56,13 +61,16 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
             chains.append((chain_a, chain or m) if found else None)
         levels = m if any(asked) else 0
         rows = batch_size + sum(nodes)
-        v, d = verify(batch_size, rows), draft_level * levels
+        predrafts = [rng.random() < ahead[0] for a in asked if a] if drafted_ahead else []
+        waited = not predrafts or not all(predrafts)
+        v, d = verify(batch_size, rows) + (ahead[1] if c.ahead else 0.0), draft_level * levels * waited
+        drafted_ahead = c.ahead
         runs[c] += 1
         if runs[c] <= first[0]:
             v, d = v + first[1] / 2, d + first[1] / 2 * bool(levels)
         rest = overhead if not m or tree_overhead is None else tree_overhead
         step = Iteration(batch_size, c, rows, m > 0, levels, sum(full[m - 1] for a in asked if a), v + d + rest, v, d,
-                         accepted, nodes, asked, chains)
+                         accepted, nodes, asked, chains, predrafts=predrafts, waited=waited)
         if chained:  # the next step is chosen as this one is sent; both plain: sent ahead
             c = controller.choose(batch_size, full, told) if i + 1 < iterations else c
             if not m and not c.depth:
@@ -378,3 +386,40 @@ def test_plain_steps_sent_ahead_that_the_host_bounds_are_priced_at_the_hosts_tim
                       verify=lambda b, rows: 0.003 if rows == b else 0.007, draft_level=0.02, overhead=0.006,
                       tree_overhead=0.004)
     assert chosen["lookup"] >= 0.9 * sum(chosen.values()), chosen
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_drafting_ahead_where_the_drafter_has_a_device_of_its_own(seed):
+    """A verifier step of 6 ms, 1.5 ms a level of drafting: where 70% of the trees were drafted ahead and
+    drafting ahead costs the verifier nothing (a drafter on its own device), the trees drafted ahead are
+    chosen at one stream and at two (where both requests must hit)."""
+    for b in (1, 2):
+        c = SpeculationController(explore=16, ahead=True)
+        chosen = simulate(c, b, 600, verify=lambda b, rows: 0.006 + 1e-5 * rows, draft_level=0.0015,
+                          ahead=(0.7, 0.0), seed=seed)
+        assert sum(n for k, n in chosen.items() if isinstance(k, tuple)) >= 0.8 * sum(chosen.values()), (b, chosen)
+        assert 0.7 - 0.1 < c.predraft() < 0.7 + 0.1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_drafting_ahead_where_it_slows_the_verifier_more_than_the_hits_save(seed):
+    """The same, but drafting ahead slows each verifier step by 4 ms (a drafter on the verifier's cores)
+    and 30% of the trees were drafted ahead: at most 1.35 ms of the 4.5 ms of drafting saved a step. The
+    trees are drafted after the verdict; drafting ahead is only looked at."""
+    c = SpeculationController(explore=16, ahead=True)
+    chosen = simulate(c, 1, 600, verify=lambda b, rows: 0.006 + 1e-5 * rows, draft_level=0.0015,
+                      ahead=(0.3, 0.004), seed=seed)
+    assert sum(n for k, n in chosen.items() if not isinstance(k, tuple) and k) >= 0.85 * sum(chosen.values()), chosen
+
+
+def test_a_look_at_drafting_ahead_lasts_long_enough_to_be_seen_held():
+    """Its first step cannot hit (nothing was drafted ahead for it): each look at drafting ahead lasts
+    AHEAD_LOOK iterations, and its cost is learnt from the steps behind another that drafted ahead."""
+    c = SpeculationController(explore=4, explore_max=8, ahead=True)
+    made, choose = [], c.choose
+    c.choose = lambda *a: made.append(choose(*a)) or made[-1]
+    chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.006, draft_level=0.0015, ahead=(0.5, 0.004))
+    assert sum(n for k, n in chosen.items() if not isinstance(k, tuple)) >= 0.7 * sum(chosen.values()), chosen
+    runs = [len(list(g)) for ahead, g in itertools.groupby(x.ahead for x in made) if ahead]
+    assert len(runs) >= 5 and min(runs[:-1]) >= AHEAD_LOOK, runs  # (the last may be cut by the end)
+    assert len(c.held_ahead.samples) >= sum(r - 1 for r in runs) - 2 * len(EXPANSION)  # the first of each run: not

@@ -110,6 +110,23 @@ def test_greedy_output_drafting_ahead_is_the_llms_and_its_hits_are_the_trees_dra
     assert 0 < stats[4].predraft_hits and stats[4].predraft_hits + stats[4].predraft_misses < steps
 
 
+def test_with_the_controller_the_drafters_draft_ahead_only_on_the_steps_it_chose_so(ssm, heldout_ids):
+    """The adaptive engine: drafting ahead is a choice (each tree choice's twin), which the controller tries
+    before weighing it; the tokens are the LLM's. A controller without that choice has nothing drafted
+    ahead, though the engine is asked to draft ahead."""
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    requests = [Request(p[:48], 32) for p in heldout_ids[:2]]
+    alone = Engine(llm, mode=Mode.INCREMENTAL).generate(requests)
+    for priced in (True, False):
+        engine = Engine(llm, [ssm], Mode.TREE, [2, 1, 1], adaptive=True, draft_ahead=4)
+        engine.engine.controller.ahead = priced
+        out, stats = [engine.generate([r])[0] for r in requests], engine.engine.stats
+        assert [g.token_ids for g in out] == [g.token_ids for g in alone]
+        made = engine.engine.controller.made[1]
+        assert any(c.ahead for c in made) == priced, made
+        assert (stats.predraft_hits + stats.predraft_misses > 0) == priced, made
+
+
 @pytest.fixture(scope="module")
 def ahead_system():
     system = launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, manager_args=["--draft-ahead", "4"])
