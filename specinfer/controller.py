@@ -60,7 +60,9 @@ once they have sent their trees, draft the next ones for the likeliest outcomes 
 these (engine.py). Its tokens are its twin's; its cost is measured whole, from the steps that drafted ahead
 behind a step that did too (the first cannot hit), fitted to [1, B, rows, waited, waited m] (waited: the
 engine waited for a drafter's tree, because some request's outcome was not drafted ahead), and predicted at
-waited = 1 - h^B, h the measured share of requests drafted ahead for whose outcome was (Share). So it is
+waited = 1 - h^B, h the measured share of requests drafted ahead for whose outcome was (Share); until it has
+PLAIN_SETTLED such steps, at its twin's cost (a fit of a handful of samples over five features extrapolates
+wildly, and an empty one predicts nothing: an infinite rate). So it is
 chosen where the hits save more than the drafting during the verifier's step costs it: on a drafter with a
 device of its own, not where the drafter shares the verifier's cores. A look at it lasts AHEAD_LOOK
 iterations, so that it is seen held.
@@ -385,6 +387,8 @@ class SpeculationController:
         nodes = self.tree_nodes(choice, full_tree)
         rows = batch_size * (1 + nodes)
         verify = self.verify([1.0, batch_size, rows, float(m > 0)])
+        if choice.ahead and len(self.held_ahead.samples) < PLAIN_SETTLED:  # not measured yet: as its twin
+            return self.terms(batch_size, choice.trees, full_tree, chained)
         if choice.ahead:  # the engine waits for the drafters unless every request's tree was drafted ahead
             miss = 1.0 - self.predraft() ** batch_size
             whole = self.held_ahead([1.0, batch_size, rows, miss, miss * m])

@@ -68,8 +68,9 @@ def services_markdown(rows: list[dict], meta: dict, max_new_tokens: int, rounds:
              "config = expansion@tree budget (the manager's defaults; @static: no adaptive controller; "
              "@nolookup: no context lookup; @alone: context lookup alone, no speculators; @head: the --head feature speculators draft too; @logprobs: every request asks for its tokens' logprobs, top 5; @baseline: the manager of the --baseline source tree; @mss: sampled drafts verified by MSS instead of the guess of the coupled sample and top-k drafts matched "
              "against it; @ahead, @sequential: plain steps sent ahead, or not, whatever the verifier's "
-             "device; @predraft: drafting during verification, the manager's --draft-ahead 4); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
-             f"ignore_eos; {max_new_tokens} new tokens per request; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "
+             "device; @predraft: drafting during verification, the manager's --draft-ahead 4, where its controller prices it faster); " + (f"T={temperature:g}, seeded; " if temperature else "greedy; ") +
+             ("ignore_eos" if meta.get("ignore_eos", True) else "natural stops (each request ends where the LLM ends its reply)")
+             + f"; {max_new_tokens} new tokens per request at most; each round the prompt file's next prompts; medians of {rounds} interleaved runs (tok/s of "
              "each run in the JSON); an iteration's split from the manager's metrics over the timed runs: the "
              "verifier's own step, its hop (what the manager waited for the answer beyond that: RPC, queues, threads; "
              "below 0 where plain steps are sent ahead), "

@@ -165,7 +165,7 @@ def release(device: torch.device) -> None:
 
 def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]], configs: list[str], levels: list[int],
                requests_per_stream: int, max_new_tokens: int, temperature: float,
-               exact: bool) -> tuple[list[list[int]], list[dict]]:
+               exact: bool, ignore_eos: bool = True) -> tuple[list[list[int]], list[dict]]:
     """The services' first round in this process (see the module): per config one engine, checked greedy
     against the reference first, then per concurrency c, `requests_per_stream` waves of c requests taking
     the prompts in the load's order, sampled as its first round's. Returns the reference ('off's greedy
@@ -187,7 +187,8 @@ def in_process(llm: LlamaModel, ssms: list[LlamaModel], prompts: list[list[int]]
             start = time.perf_counter()
             for wave in range(requests_per_stream):
                 done = engine.generate([Request(prompts[(wave * c + i) % len(prompts)], max_new_tokens,
-                                                SamplingParams(temperature, seed=0), ignore_eos=True) for i in range(c)])
+                                                SamplingParams(temperature, seed=0), ignore_eos=ignore_eos)
+                                        for i in range(c)])
                 tokens += sum(len(g.token_ids) for g in done)
                 steps += sum(g.steps for g in done)
             seconds = time.perf_counter() - start
@@ -259,13 +260,14 @@ def manager_stats(log: Path) -> dict:
 def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: list[list[int]], configs: list[str],
             levels: list[int], requests_per_stream: int, max_new_tokens: int, rounds: int,
             temperature: float = 0.0, baseline: Path | None = None, heads: list[Path] = (), dtype: str = "auto",
-            exact: bool = True, log_dir: Path | None = None) -> list[dict]:
+            exact: bool = True, log_dir: Path | None = None, ignore_eos: bool = True) -> list[dict]:
     """One row per (config, concurrency). `reference`: greedy outputs (CHECK_TOKENS tokens) of
     prompts[:len(reference)] that every setting must reproduce before it is timed, where `exact`; otherwise
     each row has the setting's share of identical tokens. The load's requests sample at `temperature`
     (0: greedy), seeded. `heads`: feature drafters, each in a speculator of its own, drafting for
     the @head configs (the verifier then keeps their layers' features for every config). The services run
-    their models in `dtype` and log to `log_dir` (default: a temporary directory)."""
+    their models in `dtype` and log to `log_dir` (default: a temporary directory). ignore_eos False: the load's
+    requests stop where the LLM ends its reply (natural stops), not at max_new_tokens."""
     check_configs(configs, len(ssms), len(heads))
     ssms = ssms_used(configs, ssms)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="specinfer-bench-"))
@@ -303,7 +305,8 @@ def measure(llm: Path, ssms: list[Path], prompts: list[list[int]], reference: li
                 report = asyncio.run(run_load(manager.address, prompts[at:] + prompts[:at], c, duration=1e9,
                                               max_new_tokens=max_new_tokens,
                                               max_requests=c * requests_per_stream, sampling=sampling,
-                                              top_logprobs=LOGPROBS_TOP if "logprobs" in config.split("@")[1:] else None))
+                                              top_logprobs=LOGPROBS_TOP if "logprobs" in config.split("@")[1:] else None,
+                                              ignore_eos=ignore_eos))
                 if report.errors:
                     raise SystemExit(f"services {config} at {c}: errors {report.errors}")
                 now = verifier_counters(verifier.metrics)
@@ -338,9 +341,12 @@ def main() -> None:
     p.add_argument("--requests-per-stream", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3, help="runs of every setting, interleaved; medians reported")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="the load's requests stop where the LLM ends its reply (natural stops; default: ignore_eos)")
     p.add_argument("--temperature", type=float, default=0.0, help="the load's sampling (0: greedy), seeded")
     p.add_argument("--configs", default="off;2,1,1@64;2,1,1@64@static;1,1,3,1,1,1,1,1@64",
-                   help="';'-separated: 'off', 'default' (the manager's defaults) or EXPANSION@TREE_BUDGET[@static] "
+                   help="';'-separated: 'off', 'default' (the manager's defaults; 'default@predraft' and the like with options) "
+                        "or EXPANSION@TREE_BUDGET[@static] "
                         "(@static: without the adaptive controller; @head: with the --head speculators; @alone: context "
                         "lookup alone, no speculators; see manager_flags)")
     p.add_argument("--llm", default=DEFAULT_LLM,
@@ -362,7 +368,8 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     exact = dtype in (torch.float32, torch.float64)
     prompts = load_prompt_ids(args.llm, read_prompt_file(args.prompt_file))
-    configs = [default_config(device.type) if c == "default" else c for c in args.configs.split(";")]
+    configs = [default_config(device.type) + c.removeprefix("default") if c.split("@")[0] == "default" else c
+               for c in args.configs.split(";")]
     levels, ssms = [int(c) for c in args.concurrency.split(",")], drafter_dirs(args.ssm, False, args.llm, served_ssms)
     try:
         check_configs(configs, len(ssms), len(args.head))
@@ -371,7 +378,7 @@ def main() -> None:
     result = {"machine": machine(), "command": command_line("python -m specinfer_bench.services", None),
               "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(device.type),
               "max_new_tokens": args.max_new_tokens, "requests_per_stream": args.requests_per_stream,
-              "greedy_check": {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS}}
+              "ignore_eos": not args.stop_at_eos, "greedy_check": {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS}}
     save = lambda: args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # noqa: E731
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -380,7 +387,7 @@ def main() -> None:
         drafters = [LlamaModel.from_pretrained(d, dtype=dtype, device=device) for d in ssms_used(configs, ssms)]
         loaded = time.perf_counter()
         reference, result["in_process"] = in_process(llm, drafters, prompts, configs, levels, args.requests_per_stream,
-                                                     args.max_new_tokens, args.temperature, exact)
+                                                     args.max_new_tokens, args.temperature, exact, not args.stop_at_eos)
         print(f"in process: the models loaded in {loaded - start:.0f} s, the engines built and run in "
               f"{time.perf_counter() - loaded:.0f} s", flush=True)
         save()  # kept should the services not finish
@@ -391,7 +398,7 @@ def main() -> None:
     release(device)
     result["rows"] = rows = measure(args.llm, ssms, prompts, reference, configs, levels, args.requests_per_stream,
                                     args.max_new_tokens, args.rounds, args.temperature, args.baseline, args.head,
-                                    args.dtype, exact, args.log_dir)
+                                    args.dtype, exact, args.log_dir, not args.stop_at_eos)
     save()
     text = services_markdown(rows, result, args.max_new_tokens, args.rounds, args.temperature)
     text += in_process_markdown(result)

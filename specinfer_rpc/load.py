@@ -47,10 +47,12 @@ class LoadReport:
 async def run_load(address: str, prompts: list[list[int]], concurrency: int, duration: float,
                    max_new_tokens: int = 64, speculation: str | None = None, max_requests: int | None = None,
                    sampling: SamplingParams = SamplingParams(),
-                   credentials: grpc.ChannelCredentials | None = None, top_logprobs: int | None = None) -> LoadReport:
+                   credentials: grpc.ChannelCredentials | None = None, top_logprobs: int | None = None,
+                   ignore_eos: bool = True) -> LoadReport:
     """Workers take prompts round-robin; stop starting requests after `duration` s (or
     `max_requests` in all) and wait for the running ones to finish. top_logprobs: every request
-    asks for its tokens' logprobs with that many alternatives (None: none)."""
+    asks for its tokens' logprobs with that many alternatives (None: none); ignore_eos: every request
+    runs to max_new_tokens (False: it stops where the LLM ends its reply)."""
     stub = connect(address, credentials)
     report = LoadReport(concurrency, 0.0)
     start = time.perf_counter()
@@ -61,7 +63,7 @@ async def run_load(address: str, prompts: list[list[int]], concurrency: int, dur
             n = next(counter)
             if max_requests is not None and n >= max_requests:
                 return
-            req = Request(prompts[n % len(prompts)], max_new_tokens, sampling, ignore_eos=True,
+            req = Request(prompts[n % len(prompts)], max_new_tokens, sampling, ignore_eos=ignore_eos,
                           logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
             try:
                 s = await generate(stub, request_pb(req, speculation))

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specinfer.controller import AHEAD_LOOK, PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
+from specinfer.controller import AHEAD_LOOK, PLAIN, PLAIN_SETTLED, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -423,3 +423,17 @@ def test_a_look_at_drafting_ahead_lasts_long_enough_to_be_seen_held():
     runs = [len(list(g)) for ahead, g in itertools.groupby(x.ahead for x in made) if ahead]
     assert len(runs) >= 5 and min(runs[:-1]) >= AHEAD_LOOK, runs  # (the last may be cut by the end)
     assert len(c.held_ahead.samples) >= sum(r - 1 for r in runs) - 2 * len(EXPANSION)  # the first of each run: not
+
+
+def test_drafting_ahead_is_priced_as_its_twin_until_its_steps_are_measured():
+    """An empty fit predicts nothing (an infinite rate) and a few samples over five features extrapolate
+    wildly: until PLAIN_SETTLED steps drafting ahead behind one that did are in, a tree drafted ahead costs
+    what the same tree drafted after the verdict does."""
+    c = SpeculationController(ahead=True)
+    for _ in range(12):
+        c.record(Iteration(1, Choice(2), 6, True, 2, 5, 0.012, 0.008, 0.003, [(1, 2)], [5], [True], [None]))
+    assert c.rate(1, Choice(2, ahead=True), 5) == c.rate(1, Choice(2), 5)
+    for _ in range(2 + PLAIN_SETTLED):
+        c.record(Iteration(1, Choice(2, ahead=True), 6, True, 2, 5, 0.009, 0.008, 0.0, [(1, 2)], [5], [True], [None],
+                           predrafts=[True], waited=False))
+    assert c.rate(1, Choice(2, ahead=True), 5) > c.rate(1, Choice(2), 5)

@@ -3,6 +3,7 @@ be spent on plumbing, so what they share is checked here: each part keeps its ow
 how it ended, what comes back fits the device's limits (at most 8 files of 16 MiB, plain names), and
 what is moved out of the checkout to make a run small enough comes back as it was."""
 
+import json
 import os
 import re
 import subprocess
@@ -107,3 +108,9 @@ def test_the_tests_part_names_the_first_failure_and_returns_pytests_status(tmp_p
     assert f"status {status}" in proc.stdout.splitlines(), proc.stdout + proc.stderr
     assert f"tests: FAILED (exit {status})" in proc.stdout
     assert re.search(r"tests: 1 failed, 1 passed.*; first failure: \S+test_probe.py::test_broken", proc.stdout)
+
+
+def test_the_default_llms_checksum_is_the_file_head_0_was_trained_on():
+    """A run rebuilds SmolLM2's GGUF from carried parts and checks it (gpu_smollm2) where head-0 may be aside."""
+    want = json.loads((ROOT / "models/smollm2/head-0/base.json").read_text())["sha256"]
+    assert bash("echo $GPU_SMOLLM2_SHA256", ROOT).stdout.strip() == want
