@@ -30,6 +30,7 @@ from verifier_svc.workers import _build, _free_port
 from .conftest import MODELS
 from .services import reference_greedy
 from .test_feature_drafter import write_random_head
+from .test_metrics import scrape, total
 
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 LOGITS_ATOL = 1e-4  # float32; sums split over ranks reorder additions
@@ -106,8 +107,8 @@ def test_parallel_features_match_the_single_process(tp, pp):
         torch.testing.assert_close(torch.from_numpy(g), w, atol=LOGITS_ATOL, rtol=0)
 
 
-def system(tp: int, pp: int, heads=(), kv_tokens: int = 65536):
-    return launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, heads=heads,
+def system(tp: int, pp: int, heads=(), kv_tokens: int = 65536, manager_args: list[str] = ()):
+    return launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, heads=heads, manager_args=manager_args,
                   verifier_args=["--tp", str(tp), "--pp", str(pp), "--threads", "1", "--device", rank_device(tp * pp),
                                  "--kv-cache-tokens", str(kv_tokens)])
 
@@ -144,6 +145,22 @@ def test_parallel_verifier_with_a_feature_speculator_greedy_outputs_are_the_llms
         s.stop()
     assert [x.token_ids for x in streams] == reference_greedy(prompts, 32)
     assert sum(x.usage.verifier_steps for x in streams) < sum(len(x.token_ids) for x in streams), "trees were verified"
+
+
+def test_parallel_verifier_with_drafting_ahead_greedy_outputs_are_the_llms_own(heldout_ids):
+    """TP 2: drafting during verification touches the manager and the speculators only; the steps that hit
+    leave without the speculator, and the outputs are the LLM's own, on a fixed tree and on the server's."""
+    prompts = heldout_ids[:4]
+    s = system(2, 1, manager_args=["--draft-ahead", "4"])
+    try:
+        fixed = generate_all(s.manager.address, [Request(p, 32) for p in prompts], "2,1,1")
+        server = generate_all(s.manager.address, [Request(p, 32) for p in prompts])
+        hits = total(scrape(s.manager.metrics), "specinfer_predraft_hits_total")
+    finally:
+        s.stop()
+    want = reference_greedy(prompts, 32)
+    assert [x.token_ids for x in fixed] == want and [x.token_ids for x in server] == want
+    assert hits > 0
 
 
 def worker_pids(pid: int) -> list[int]:
