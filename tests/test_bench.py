@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specinfer.verifier import Verifier
+from specinfer_bench.exactness import against, plan
 from specinfer_bench.runtime import PHASES, activity, idle, phase_ranges, top_kernels
 from specinfer_bench.tree_search import CostModel, expected_tokens_per_step, interpolate, rank_acceptance, search
 
@@ -416,3 +417,12 @@ def test_head_volume_puts_trained_and_scored_heads_side_by_side(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "| head-1 | 1,000,000 | 1,520 | 60.0% (1.20) | 30.0% (0.60) |" in text
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_exactness_names_the_first_request_and_token_that_differ_from_off():
+    reference = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert against(reference, [list(r) for r in reference], ["a", "b", "c"]) == {"identical": 3, "of": 3}
+    out = against(reference, [[1, 2, 3], [4, 9, 6], [7]], ["a", "b", "c"])
+    assert out == {"identical": 1, "of": 3,
+                   "first_difference": {"request": "b", "position": 1, "off": [5], "this": [9]}}
+    assert plan(2)[0] == ("off", 1) and plan(2).count(("default", 16)) == 2 and plan(1).count(("default", 1)) == 1
