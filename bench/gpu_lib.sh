@@ -21,7 +21,7 @@
 #                               $work for the results, $out where they go back
 #   want PART                   whether PART runs (all do unless --only named another)
 #   part NAME SECONDS CMD...    one part in its own time limit, its output in $work/NAME.log; a summary line
-#   say TEXT                    a line of figures in the summary
+#   say TEXT                    a line of figures in the summary (copied to $out at once)
 #   figures KIND PATH           the summary's lines of a part's result (specinfer_bench.gpu_summary)
 #   tests_part SECONDS TESTS... the part "tests": pytest stopped at the first failure (8 processes with xdist), its summary lines;
 #                               pytest's exit status (124 or 137: the time limit)
@@ -70,12 +70,12 @@ gpu_pack() {
     smollm2|smollm2-ssm)
         local gguf
         gguf=$(python3 -c "from specinfer.checkpoints import default_llm_file; print(default_llm_file())") || return 1
-        mkdir -p .gpu && rm -f .gpu/llm-part-* && split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part-
+        mkdir -p .gpu && rm -f .gpu/llm-part-* && split -b 35000000 -d -a 1 "$gguf" .gpu/llm-part- || return 1
         gpu_aside models/fixtures && gpu_aside models/smollm2/replies.jsonl.gz || return 1
         if [ "$1" = smollm2 ]; then
-            gpu_aside models/smollm2/ssm-0
+            gpu_aside models/smollm2/ssm-0 || return 1
         else
-            gpu_aside models/requests && gpu_aside models/smollm2/head-0
+            gpu_aside models/requests && gpu_aside models/smollm2/head-0 || return 1
         fi ;;
     *) echo "gpu_pack fixtures|smollm2|smollm2-ssm" >&2; return 2 ;;
     esac
@@ -174,8 +174,9 @@ part() {  # NAME SECONDS CMD...: exit status 0 when the part passed
     return $rc
 }
 
-say() {
+say() {  # (the summary goes back as it grows: a call killed at its limit still brings back what it said)
     echo "$*" | tee -a "$work/summary.txt"
+    cp "$work/summary.txt" "$out/${GPU_NAME}_${gpu}_summary.txt"
 }
 
 figures() {  # KIND PATH

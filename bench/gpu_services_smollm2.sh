@@ -7,8 +7,9 @@
 #             bfloat16 on the GPU, written to /dev/shm (else /tmp) on that machine, kept there for a rerun
 #   code      specinfer_bench.services --in-process on the held-out code and chat requests
 #             (models/smollm2/prompts.jsonl), SmolLM2's SSM 0 the speculator: speculation off, the manager's
-#             default, and the default drafting ahead (@predraft: --draft-ahead 4, where its controller prices
-#             it faster) at 1, 16 and 64 streams, 128 new tokens, ignore_eos: tok/s, tokens per step, an
+#             default, the default drafting ahead where its controller prices it faster (@predraft: --draft-ahead
+#             4) and drafting ahead at every step on the default's whole trees (@static@predraft: no controller)
+#             at 1, 16 and 64 streams, 128 new tokens, ignore_eos: tok/s, tokens per step, an
 #             iteration's split, the hit rate and the verifier's idle time by what the next step was;
 #             services against in process
 #   natural   the same at 1 and 16 streams with natural stops (a request ends where SmolLM2 ends its reply)
@@ -41,7 +42,7 @@ run) ;;
 esac
 gpu_start services_smollm2 'inflate|code|natural|general' "$@" || exit $?
 gpu_smollm2 || exit 1
-budget=470 ssm=models/smollm2/ssm-0 configs='off;default;default@predraft'
+budget=470 ssm=models/smollm2/ssm-0 configs='off;default;default@predraft;default@static@predraft'
 if [ "$device" = cuda ]; then
     size=7b inflate=(--preset llama-7b --dtype bfloat16 --device cuda)
     load=(--concurrency 1,16,64 --requests-per-stream 4 --max-new-tokens 128)
@@ -53,7 +54,7 @@ else  # the plumbing only: every part, SmolLM2 two layers deeper (exact in float
 fi
 shm=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
 llm=$([ "${shm:-0}" -ge 20 ] && echo /dev/shm || echo /tmp)/specinfer-smollm2-$size
-left() { local s=$(( GPU_START + budget - $(date +%s) )); echo $(( s > 60 ? s : 60 )); }  # (timeout 0: none)
+left() { echo $(( GPU_START + budget - $(date +%s) )); }  # seconds of the budget left
 most() { local l; l=$(left); echo $(( l < $1 ? l : $1 )); }  # at most $1 s, and what is left
 
 if want inflate || [ ! -d "$llm" ]; then
@@ -68,9 +69,10 @@ if want inflate || [ ! -d "$llm" ]; then
 fi
 [ -d "$llm" ] || { say "no inflated model: nothing else was run"; gpu_finish; exit 1; }
 
-services() {  # NAME SECONDS PROMPTS ARGS...: one services part and its summary lines
+services() {  # NAME SECONDS PROMPTS ARGS...: one services part and its summary lines (skipped under 30 s)
     local name=$1 limit=$2 prompts=$3
     shift 3
+    [ "$limit" -ge 30 ] || { say "$name: skipped, $limit s of the budget left"; return 0; }
     part "$name" "$limit" python3 -m specinfer_bench.services --llm "$llm" --ssm $ssm --prompt-file "$prompts" \
         --configs "$configs" --rounds 1 --in-process "$@" --log-dir "$work/$name-logs" --out "$work/${name}_$gpu"
     figures services "$work/${name}_$gpu.json"

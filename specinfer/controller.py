@@ -29,8 +29,9 @@ finds nothing for emits its one token.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
-  fitted to [1, m, nodes]; overhead the rest of a tree step's iteration (RPCs, bookkeeping), fitted
-  to [1, B, asked] (asked: 1 if the speculators were asked for trees), and a plain step's rest apart,
+  fitted to [1, m, nodes], from the steps that waited for it; overhead the rest of a tree step's iteration
+  (RPCs, bookkeeping), fitted to [1, B, waited] (waited: 1 if the engine waited for the speculators' trees,
+  0 where it did not ask them or every tree was drafted ahead), and a plain step's rest apart,
   fitted to [1, B] (until it has PLAIN_SETTLED samples, the tree steps' rest without drafting stands in).
 - A plain step sent ahead of its answer (the engine's steps ahead: a verifier on a GPU) is launched
   behind the one before, so its RPC and the manager's work hide behind the device. Such steps' whole
@@ -60,12 +61,14 @@ once they have sent their trees, draft the next ones for the likeliest outcomes 
 these (engine.py). Its tokens are its twin's; its cost is measured whole, from the steps that drafted ahead
 behind a step that did too (the first cannot hit), fitted to [1, B, rows, waited, waited m] (waited: the
 engine waited for a drafter's tree, because some request's outcome was not drafted ahead), and predicted at
-waited = 1 - h^B, h the measured share of requests drafted ahead for whose outcome was (Share); until it has
-PLAIN_SETTLED such steps, at its twin's cost (a fit of a handful of samples over five features extrapolates
-wildly, and an empty one predicts nothing: an infinite rate). So it is
+waited = 1 - h^B, h the measured share of requests drafted ahead for whose outcome was (Share, from no hit).
+Until it has AHEAD_SETTLED such steps, one of which did not wait, it is priced at its twin's cost: a fit of a
+handful of samples over five features extrapolates wildly (an empty one predicts nothing: an infinite rate),
+and one whose steps all waited cannot tell what waiting costs from the rest (where nothing is drafted ahead:
+sampled requests, a head). So it is
 chosen where the hits save more than the drafting during the verifier's step costs it: on a drafter with a
 device of its own, not where the drafter shares the verifier's cores. A look at it lasts AHEAD_LOOK
-iterations, so that it is seen held.
+iterations, so that it is seen held; the twin's steps count as held behind a step of the same choice only.
 
 Each drafter's own share, per request: the engine measures how deep the LLM accepted each drafter's
 tree alone (every speculator, context lookup and the grammar apart), pooled over requests and per
@@ -82,7 +85,8 @@ the machine and the load. On a GPU a verifier step costs about the same for 1 ro
 stay on; on a CPU, or when a level of drafting costs more than it wins, the choice drops to lookup's chain first or to none. Trees shrink smoothly as the batch grows, because the rows cost grows with B
 while the drafting cost per token does not shrink. Now and then an iteration at a batch size runs a
 neighbouring choice instead (a shallower or deeper SSM tree; from none or depth 1, also lookup's chain
-first, and from that, none or depth 1), so that every estimate stays current: `explore` iterations after the
+first, and from that, none or depth 1; with drafting ahead, a tree's twin and back), so that every estimate
+stays current: `explore` iterations after the
 choice last moved, then twice as far apart each time while it holds, up to `explore_max`. Exploring
 is not free (a speculator that sat out plain steps first catches up on their tokens): at 2-4
 concurrent requests on a CPU, where plain decoding wins, a look every 16 iterations cost 10-15%.
@@ -295,6 +299,7 @@ WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or 
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
 PROBE = 8  # a drafter cut off from a request drafts one level for it every PROBE steps
 AHEAD_LOOK = 3  # iterations of a look at drafting ahead: its first cannot hit (nothing was drafted ahead for it)
+AHEAD_SETTLED = 10  # steps drafting ahead behind another before their fit prices it (twice its features)
 
 
 class SpeculationController:
@@ -312,7 +317,7 @@ class SpeculationController:
         self.verify, self.draft, self.overhead = Fit(window), Fit(window), Fit(window)
         self.plain_rest, self.plain_ahead = Fit(window), Fit(window)  # a plain step's rest; one sent ahead, whole
         self.held_ahead = Fit(window)  # a step drafting ahead behind another that did, whole
-        self.predraft = Share(prior, prior_weight, forget)  # of the requests drafted ahead for, the share hit
+        self.predraft = Share(0.0, prior_weight, forget)  # of the requests drafted ahead for, the share hit
         self.last: Choice | None = None  # the choice of the step recorded last
         self.chained: dict[int, bool] = {}  # batch size -> whether its plain steps would be sent ahead (last told)
         # the SSMs' trees (True) and lookup's chains (False), measured apart
@@ -387,7 +392,8 @@ class SpeculationController:
         nodes = self.tree_nodes(choice, full_tree)
         rows = batch_size * (1 + nodes)
         verify = self.verify([1.0, batch_size, rows, float(m > 0)])
-        if choice.ahead and len(self.held_ahead.samples) < PLAIN_SETTLED:  # not measured yet: as its twin
+        if choice.ahead and (len(self.held_ahead.samples) < AHEAD_SETTLED
+                             or all(x[3] for x, _ in self.held_ahead.samples)):  # not measured yet: as its twin
             return self.terms(batch_size, choice.trees, full_tree, chained)
         if choice.ahead:  # the engine waits for the drafters unless every request's tree was drafted ahead
             miss = 1.0 - self.predraft() ** batch_size
@@ -436,6 +442,7 @@ class SpeculationController:
         if look.run and look.looking in options:  # a look at drafting ahead goes on
             look.run -= 1
             return look.looking
+        look.run = 0
         chained = self.chained[batch_size]
         if (look.iterations > SETTLING and look.iterations - look.weighed < REWEIGH and look.trees == full_trees
                 and look.chained == chained):
@@ -505,7 +512,8 @@ class SpeculationController:
         if c.ahead:
             twins = [o for o in options if o.ahead]
             j = twins.index(c)
-            return [c.trees] + twins[max(j - 1, 0) : j] + twins[j + 1 : j + 2]
+            near = [c.trees] + twins[max(j - 1, 0) : j] + twins[j + 1 : j + 2]
+            return near + [o for o in self.neighbours(options, options.index(c.trees)) if o not in near and o != c]
         ssm = [o for o in options if (o.speculators or not o.depth) and not o.ahead]  # none, depth 1..top
         lookup = [o for o in options if not o.speculators and o.depth]
         if c in lookup:
@@ -523,10 +531,12 @@ class SpeculationController:
         WARMUP iterations record their acceptance only: a path's first steps in a process may pay for
         loading or compiling its kernels (a Triton variant compiles in seconds) or growing buffers.
         Taken as a step's cost before the fits have `settled` enough samples to clip against, such a
-        step enters whole, and the drafting fit, which hears only from steps that draft, then keeps
-        it in its window for as long as it holds the choice on plain decoding."""
+        step enters whole, and the drafting fit, which hears only from steps that wait for drafting, then
+        keeps it in its window for as long as it holds the choice on plain decoding. A step drafting ahead
+        enters its own fit only, and only behind a step of the same choice (the first of a run cannot hit);
+        the hits and misses of any step go to the hit share."""
         self.seen[step.choice] = self.seen.get(step.choice, 0) + 1
-        held = step.choice.ahead and self.last is not None and self.last.ahead
+        held = step.choice.ahead and self.last == step.choice
         self.last = step.choice
         ran = self.ran.setdefault(step.batch_size, {}).setdefault(step.choice, [0, 0, 0.0, 0.0, 0.0])
         for i, v in enumerate((1, step.batch_size + sum(a for a, _ in step.accepted),  # each request's token and

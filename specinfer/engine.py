@@ -690,7 +690,7 @@ class SpeculativeEngine:
             tree_nodes=[len(r.trees.get(s.id, ())) for s, _ in on_server],
             asked=[s.id in r.asked for s, _ in on_server],
             chains=[chain_outcome(*r.chains[s.id], t) if s.id in r.chains else None for s, t in on_server],
-            predrafts=[s.id in r.predrafted for s in r.batch if s.id in r.tried], waited=r.drafted > 0))
+            predrafts=[s.id in r.predrafted for s, _ in on_server if s.id in r.tried], waited=r.drafted > 0))
 
     def _commit_all(self, r: Round, verified: list[Verified]) -> list[tuple[Sequence, Chunk]]:
         """Commit: each request's accepted tokens (its features kept for its next draft), and each
@@ -1040,11 +1040,12 @@ class SpeculativeEngine:
     @staticmethod
     def _hits(ahead: dict[str, dict[tuple[int, ...], TokenTree]], drafts: list[Draft], seqs: dict[str, Sequence]
               ) -> dict[str, TokenTree]:
-        """The requests of `drafts` whose drafter drafted a tree ahead for what their last step emitted: it,
-        to the depth asked now."""
+        """The requests of `drafts` whose drafter drafted a tree ahead for what their last step emitted, as
+        deep as asked now (drafted ahead on a shallower plan, it misses): it, to that depth."""
         out = {}
         for d in drafts:
-            if (tree := ahead.get(d.request_id, {}).get(seqs[d.request_id].last_tokens)) is not None:
+            tree = ahead.get(d.request_id, {}).get(seqs[d.request_id].last_tokens)
+            if tree is not None and max(depths(tree.parents), default=0) >= len(d.expansion):
                 out[d.request_id] = within(tree, len(d.expansion))
         return out
 

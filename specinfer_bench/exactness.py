@@ -1,7 +1,7 @@
 """Bitwise exact through the services: every request's greedy tokens with the manager's default speculation
 equal its tokens with speculation off, at 1 and at 16 streams, run twice (issue 96's goal), on the default
 LLM in float32, with row-invariant attention (SPECINFER_TREE_ATTENTION=invariant in every service) and,
-back to back, with the default attention (`reference`), which gives the tokens/s the invariance costs.
+back to back, with a CPU's default attention (`reference`), which gives the tokens/s the invariance costs.
 
 The requests: the held-out general questions (models/smollm2/general_prompts.jsonl) and the fixtures'
 held-out code windows (models/fixtures/heldout_prompts.jsonl: code none of the drafters trained on), up to
@@ -11,7 +11,7 @@ default at 1 and at 16 streams, off at 16 streams, and the default at 1 and 16 a
 16 streams sends the requests in waves of 16 at once, so each wave's steps batch them together.
 
     python -m specinfer_bench.exactness --out bench/results/exactness_cpu     # the goal's run: hours on a CPU
-    python -m specinfer_bench.exactness --limit 4 --max-new-tokens 16 --out /tmp/x   # the plumbing
+    python -m specinfer_bench.exactness --limit 2 --max-new-tokens 8 --repeats 1 --out /tmp/x   # the plumbing
 
 Results are written after every run (OUT.json, OUT.md), so a run stopped part way keeps what it measured.
 """

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specinfer.controller import AHEAD_LOOK, PLAIN, PLAIN_SETTLED, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
+from specinfer.controller import AHEAD_LOOK, AHEAD_SETTLED, PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -31,7 +31,7 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     controller is told so (`choose`'s chained) unless `told` says otherwise. ahead = (hit, cost): on a step
     behind one that drafted ahead, each request's tree was drafted ahead with probability `hit`, and where
     every request's was the step does not wait for the drafters; a step drafting ahead slows the verifier's
-    by `cost` seconds (a drafter sharing its device).
+    by `cost` seconds (a drafter sharing its device); None: nothing is ever drafted ahead (sampled requests).
     Returns how often each choice was made over the second half: the SSMs' depth, "lookup", or ("ahead", depth)."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
@@ -61,9 +61,9 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
             chains.append((chain_a, chain or m) if found else None)
         levels = m if any(asked) else 0
         rows = batch_size + sum(nodes)
-        predrafts = [rng.random() < ahead[0] for a in asked if a] if drafted_ahead else []
+        predrafts = [rng.random() < ahead[0] for a in asked if a] if drafted_ahead and ahead else []
         waited = not predrafts or not all(predrafts)
-        v, d = verify(batch_size, rows) + (ahead[1] if c.ahead else 0.0), draft_level * levels * waited
+        v, d = verify(batch_size, rows) + (ahead[1] if c.ahead and ahead else 0.0), draft_level * levels * waited
         drafted_ahead = c.ahead
         runs[c] += 1
         if runs[c] <= first[0]:
@@ -420,20 +420,33 @@ def test_a_look_at_drafting_ahead_lasts_long_enough_to_be_seen_held():
     c.choose = lambda *a: made.append(choose(*a)) or made[-1]
     chosen = simulate(c, 1, 400, verify=lambda b, rows: 0.006, draft_level=0.0015, ahead=(0.5, 0.004))
     assert sum(n for k, n in chosen.items() if not isinstance(k, tuple)) >= 0.7 * sum(chosen.values()), chosen
-    runs = [len(list(g)) for ahead, g in itertools.groupby(x.ahead for x in made) if ahead]
+    runs = [len(list(g)) for c, g in itertools.groupby(made) if c.ahead]
     assert len(runs) >= 5 and min(runs[:-1]) >= AHEAD_LOOK, runs  # (the last may be cut by the end)
     assert len(c.held_ahead.samples) >= sum(r - 1 for r in runs) - 2 * len(EXPANSION)  # the first of each run: not
 
 
 def test_drafting_ahead_is_priced_as_its_twin_until_its_steps_are_measured():
     """An empty fit predicts nothing (an infinite rate) and a few samples over five features extrapolate
-    wildly: until PLAIN_SETTLED steps drafting ahead behind one that did are in, a tree drafted ahead costs
-    what the same tree drafted after the verdict does."""
+    wildly: until AHEAD_SETTLED steps drafting ahead behind one that did are in, one of them not waiting
+    for the drafters, a tree drafted ahead costs what the same tree drafted after the verdict does."""
     c = SpeculationController(ahead=True)
     for _ in range(12):
         c.record(Iteration(1, Choice(2), 6, True, 2, 5, 0.012, 0.008, 0.003, [(1, 2)], [5], [True], [None]))
     assert c.rate(1, Choice(2, ahead=True), 5) == c.rate(1, Choice(2), 5)
-    for _ in range(2 + PLAIN_SETTLED):
+    for _ in range(2 + AHEAD_SETTLED - 1):  # (the first of a run, and WARMUP steps, enter no fit)
+        c.record(Iteration(1, Choice(2, ahead=True), 6, True, 2, 5, 0.012, 0.010, 0.003, [(1, 2)], [5], [True], [None],
+                           predrafts=[False], waited=True))
+    assert c.rate(1, Choice(2, ahead=True), 5) == c.rate(1, Choice(2), 5)  # every step waited: no price yet
+    for _ in range(2):
         c.record(Iteration(1, Choice(2, ahead=True), 6, True, 2, 5, 0.009, 0.008, 0.0, [(1, 2)], [5], [True], [None],
                            predrafts=[True], waited=False))
     assert c.rate(1, Choice(2, ahead=True), 5) > c.rate(1, Choice(2), 5)
+
+
+def test_where_nothing_is_drafted_ahead_its_twins_are_only_looked_at():
+    """Sampled requests (or a head) draft nothing ahead: no step behind one drafting ahead goes without
+    waiting, so the twins are priced as the trees they would draft, and a tie goes to drafting after the
+    verdict; the twins run only when looked at."""
+    c = SpeculationController(explore=16, ahead=True)
+    chosen = simulate(c, 1, 600, verify=lambda b, rows: 0.006 + 1e-5 * rows, draft_level=0.0015)
+    assert sum(n for k, n in chosen.items() if isinstance(k, tuple)) <= 0.15 * sum(chosen.values()), chosen

@@ -148,14 +148,15 @@ def test_parallel_verifier_with_a_feature_speculator_greedy_outputs_are_the_llms
 
 
 def test_parallel_verifier_with_drafting_ahead_greedy_outputs_are_the_llms_own(heldout_ids):
-    """TP 2: drafting during verification touches the manager and the speculators only; the steps that hit
-    leave without the speculator, and the outputs are the LLM's own, on a fixed tree and on the server's."""
+    """TP 2: drafting during verification touches the manager and the speculators only; on a fixed tree
+    (which always drafts ahead) steps hit and leave without the speculator, and on the server's trees (where
+    the controller weighs it) too, the outputs are the LLM's own."""
     prompts = heldout_ids[:4]
     s = system(2, 1, manager_args=["--draft-ahead", "4"])
     try:
         fixed = generate_all(s.manager.address, [Request(p, 32) for p in prompts], "2,1,1")
-        server = generate_all(s.manager.address, [Request(p, 32) for p in prompts])
         hits = total(scrape(s.manager.metrics), "specinfer_predraft_hits_total")
+        server = generate_all(s.manager.address, [Request(p, 32) for p in prompts])
     finally:
         s.stop()
     want = reference_greedy(prompts, 32)
