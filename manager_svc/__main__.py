@@ -94,6 +94,10 @@ class ManagerConfig(ServerConfig):
                                  "many of the likeliest outcomes of verifying it, and a step whose outcome they drafted "
                                  "for leaves without waiting for them (greedy requests on fixed trees; 0: off). The "
                                  "adaptive controller drafts ahead on the steps where it prices it faster")
+    outcome_steps: bool = option(False, "with --draft-ahead: a step whose every request verifies a tree drafted by "
+                                        "the speculators sends the next step before its answer, with the trees drafted "
+                                        "ahead as candidates; the verifier verifies the outcome's, or skips a request "
+                                        "none was drafted for (sent again with a tree)")
     verify_timeout: float = option(60.0, "seconds a verify step may take before its requests fail UNAVAILABLE")
     speculate_timeout: float = option(10.0, "seconds a speculator may take before its trees are skipped")
     startup_timeout: float = option(120.0, "seconds to wait for the verifier at start")
@@ -142,7 +146,7 @@ async def main(cfg: ManagerConfig) -> None:
                                                      ahead=cfg.draft_ahead > 0)
                                if cfg.adaptive and (speculators or lookup) else None,
                                lookup, cfg.lookup_tokens, grammars, cfg.prefill_chunk, steps_ahead,
-                               prediction_tokens(vinfo.device), cfg.draft_ahead)
+                               prediction_tokens(vinfo.device), cfg.draft_ahead, cfg.outcome_steps)
     scheduler = Scheduler(engine, cfg.max_batch, cfg.max_queue, cfg.max_prefill_tokens,
                           kv_tokens=max(1, int(vinfo.kv_cache_tokens * cfg.kv_cache_share)) if vinfo.kv_cache_tokens else 0,
                           kv_block_size=max(vinfo.kv_block_size, 1), max_unread=cfg.max_unread_chunks,

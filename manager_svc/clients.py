@@ -25,6 +25,7 @@ from specinfer_rpc.convert import allowed_to_pb, sampling_to_pb, tree_from_pb, t
 from specinfer_rpc.security import open_channel
 from specinfer_rpc.server import channel_options
 from specinfer_rpc.v1 import (
+    common_pb2,
     speculator_pb2,
     speculator_pb2_grpc,
     verifier_pb2,
@@ -45,7 +46,9 @@ def verify_request(namespace: str, batch: list[Check], release: list[str]) -> ve
                                        return_prompt_logprobs=c.prompt_logprobs,
                                        allowed=allowed_to_pb(c.allowed), prefill_only=c.prefill_only,
                                        output_start=c.output_start, stop_token_ids=c.stop_ids,
-                                       predrafted=c.predrafted)
+                                       predrafted=c.predrafted, follows_outcome=c.candidates is not None,
+                                       candidates=[common_pb2.OutcomeTree(outcome=o, tree=tree_to_pb(t))
+                                                   for o, t in c.candidates or ()])
                for c in batch])
 
 
@@ -54,7 +57,7 @@ def verified(batch: list[Check], response: verifier_pb2.VerifyResponse) -> list[
     manager hands them on as they came."""
     return [Verified(list(r.token_ids), r.features if r.HasField("features") else None,
                      r.logprobs if c.logprobs else None, r.prompt_logprobs if c.prompt_logprobs else None,
-                     r.cached_tokens)
+                     r.cached_tokens, r.candidate - 1)
             for c, r in zip(batch, response.results)]
 
 

@@ -43,6 +43,15 @@ drafters share the verifier's device: drafting ahead costs there and saves no wa
 drafting ahead is one of its choices, priced by the hit rate and what the steps drafting ahead took
 (controller.py): the drafters draft ahead only on the steps it chose so.
 
+Steps that leave before the outcome (`outcome_steps`, the manager's --outcome-steps): where every request of
+a step verifies a tree of the drafters, which draft ahead, the next step leaves as soon as their trees drafted
+ahead are in, before this step's answer, with those trees as each request's candidates (Check.candidates).
+The verifier verifies the tree drafted for the outcome its step before emitted (Verified.candidate), or skips
+a request none was drafted for; the drafters are told the outcome as the answer comes, and draft ahead again
+while the step runs, so the chain goes on while the batch holds. A skipped request, or one admitted, cancelled
+or preempted, ends the chain: the next round drafts as before. So between two steps of a hit the verifier
+waits for no hop.
+
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails
 only costs its trees; a verifier that fails fails the step's requests (errors.py), except when it
@@ -226,6 +235,10 @@ class Check:
     output_start: int = 0
     stop_ids: tuple[int, ...] = ()
     predrafted: bool = False  # its tree was drafted before the step it follows was decided (a pre-draft hit)
+    # a step sent before the outcome of the request's step before it (its record_length: the record's length
+    # before that outcome; no new_tokens, no tree): the trees drafted ahead for its outcomes, the verifier
+    # verifies the outcome's (none: a plain step). None: an ordinary step
+    candidates: list[tuple[tuple[int, ...], TokenTree]] | None = None
 
 
 @dataclass
@@ -239,6 +252,7 @@ class Verified:
     logprobs: list | None = None  # of each token (Check.logprobs)
     prompt_logprobs: list | None = None  # of new_tokens[1:] (Check.prompt_logprobs)
     cached_tokens: int = 0  # at a request's first step: of new_tokens, those the verifier's prefix cache held
+    candidate: int = -1  # of a step with candidates: the index of the one whose tree was verified (-1: none)
 
 
 class Drafter(Protocol):
@@ -426,6 +440,18 @@ class Ahead:
 
 
 @dataclass
+class Following:
+    """A step sent before the outcome of the step before it (`outcome_steps`): each request's candidates,
+    the trees drafted ahead for that step's likely outcomes, merged over the drafters."""
+
+    call: asyncio.Future  # the verify call: (answers, step ns)
+    seqs: list[Sequence]
+    preemptions: list[int]  # each one's count when sent: a request preempted since gets no commit
+    plans: list[list[int]]  # the expansion each was drafted on (its drafters are told the outcome on it)
+    candidates: list[list[tuple[tuple[int, ...], TokenTree, dict[int, TokenTree]]]]  # (outcome, tree, by drafter)
+
+
+@dataclass
 class Round:
     """One iteration's work as it passes from step to step (`SpeculativeEngine.iteration`)."""
 
@@ -479,7 +505,7 @@ class SpeculativeEngine:
                  tree_budget: int | None = None, controller: SpeculationController | None = None,
                  lookup: bool = False, lookup_tokens: int = 0, grammars: Grammars | None = None,
                  prefill_chunk: int = 0, steps_ahead: bool = False, prediction_tokens: int = PREDICTION_TOKENS["cpu"],
-                 draft_ahead: int = 0):
+                 draft_ahead: int = 0, outcome_steps: bool = False):
         if lookup_tokens < 0:
             raise ValueError(f"lookup_tokens: must be >= 0, got {lookup_tokens}")
         if prefill_chunk < 0:
@@ -506,6 +532,10 @@ class SpeculativeEngine:
         self.launched: list[asyncio.Future] = []  # drafter calls not waited for (Draft.ahead)
         self.verifier_release: set[str] = set()  # sent with the next verify call
         self.ahead: Ahead | None = None  # the step sent ahead, in flight
+        # with drafting ahead, the next step leaves with the trees drafted ahead as candidates before the outcome
+        # of this one is known, and the verifier takes the outcome's (module docstring)
+        self.outcome_steps = outcome_steps and draft_ahead > 0
+        self.following: Following | None = None  # such a step, in flight
         self.chosen: tuple[int, Choice] | None = None  # the controller's choice for the next step (batch size, choice)
         self.stats = Stats()
 
@@ -553,6 +583,9 @@ class SpeculativeEngine:
         """Deliver pending releases now (when no step is coming to carry them)."""
         if (ahead := self._drop_ahead()) is not None:  # answered before the releases: the verifier keeps
             await asyncio.wait([ahead.call])             # no state a step ahead made after them
+        if (following := self.following) is not None:
+            self._drop_following()
+            await asyncio.wait([following.call])
         launched, self.launched = self.launched, []
         if launched:  # drafts not waited for go before the drafters' releases
             await asyncio.wait(launched)
@@ -573,6 +606,8 @@ class SpeculativeEngine:
         start = time.perf_counter()
         if self.ahead is not None:
             return await self._answer_ahead(batch, start)
+        if self.following is not None:
+            return await self._answer_following(batch, start)
         r = self._plan(batch, start)
         await self._draft(r)
         if not self._drop_cancelled(r):
@@ -663,6 +698,11 @@ class SpeculativeEngine:
         if self.steps_ahead and not r.trees and not r.chunked and not r.allowed:
             call = asyncio.ensure_future(call)  # sent first: the step ahead follows it
             self.ahead = self._send_ahead(r.batch, {s.id for s in r.batch})
+        elif self._may_follow(r.batch, all(s.id in r.trees for s in r.batch) and not r.chunked and not r.allowed
+                              and not r.predicted and (self.controller is None or r.choice.ahead
+                                                       or all(s.expansion is not None for s in r.batch))):
+            call = asyncio.ensure_future(call)
+            self.following = await self._follow(r.batch, [r.plans[s.id] for s in r.batch])
         waited = time.perf_counter()
         verified, step_ns = await call
         r.waited = time.perf_counter() - waited
@@ -730,6 +770,80 @@ class SpeculativeEngine:
                 draft_nodes=0, seconds=time.perf_counter() - start, verify_s=step_ns / 1e9, draft_s=0.0, ahead=True))
         self.stats.add(len(ahead.seqs), 0, time.perf_counter() - start, step_ns / 1e9, 0.0, verify_wait_s=waited)
         return out
+
+    def _may_follow(self, seqs: list[Sequence], trees: bool) -> bool:
+        """Whether the next step of these requests may leave before this one's outcome (`outcome_steps`):
+        a step where every request verifies a tree of the drafters alone (no grammar, prediction or prompt
+        chunk, whose next steps need the answer) that needs no features (a head drafts from the LLM's)."""
+        return (self.outcome_steps and trees and not self.wants_features
+                and not any(s.constraint is not None or s.prediction is not None for s in seqs))
+
+    async def _follow(self, seqs: list[Sequence], plans: list[list[int]]) -> Following:
+        """Once the drafters' trees drafted ahead for the step in flight are in (through the services, during
+        that step), the next step with them as candidates (a request none was drafted for: a plain step)."""
+        drafted, candidates, checks = await self._drafted_ahead(), [], []
+        for s, plan in zip(seqs, plans):
+            by = [i for i in range(len(self.drafters)) if s.id in drafted[i]]
+            keys = set.intersection(*(set(drafted[i][s.id]) for i in by)) if by else set()
+            options = []
+            for key in sorted(keys):
+                trees = {i: within(drafted[i][s.id][key], len(plan)) for i in by}
+                options.append((key, next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values())),
+                                trees))
+            candidates.append(options)
+            checks.append(Check(s.id, [], s.length, TokenTree(), s.request.sampling, output_start=len(s.request.prompt),
+                                stop_ids=self._stop_ids(s.request), candidates=[(k, t) for k, t, _ in options]))
+        sent = asyncio.ensure_future(self.verifier.verify(checks, [], follows=True))
+        sent.add_done_callback(lambda c: c.cancelled() or c.exception())  # a dropped one's error is no news
+        return Following(sent, list(seqs), [s.preemptions for s in seqs], plans, candidates)
+
+    async def _answer_following(self, batch: list[Sequence], start: float) -> list[tuple[Sequence, Chunk | Exception]]:
+        """An iteration whose step left before the outcome of the one before: the drafters are told that
+        outcome (their trees drafted ahead for it are this step's, and they draft ahead again meanwhile), the
+        next step follows this one if it may (the same requests: one admitted meanwhile, or gone, ends the
+        chain), then this one's answers are committed with the tree each request's outcome took (none: a
+        plain step)."""
+        f, self.following = self.following, None
+        live = [s for s, n in zip(f.seqs, f.preemptions) if not s.done and s.preemptions == n]
+        plans = {s.id: p for s, p in zip(f.seqs, f.plans)}
+        # the outcome of the step before is known: a request it was drafted for takes that tree now, the others
+        # are skipped by the verifier and go again with a tree (the chain ends)
+        hit = {s.id for s, options in zip(f.seqs, f.candidates) if s.last_tokens in {k for k, _, _ in options}}
+        drafts = [Draft(s.id, s.record, plans[s.id], s.request.sampling, s.features, self.draft_ahead)
+                  for s in live if s.id in hit]
+        self.launched += [asyncio.ensure_future(d.draft(drafts)) for d in self.drafters if drafts]
+        same = {s.id for s in batch if not s.done} == {s.id for s in live} == hit & {s.id for s in live}
+        if live and same and self._may_follow(live, True):
+            self.following = await self._follow(live, [plans[s.id] for s in live])
+        waited = time.perf_counter()
+        try:
+            verified, step_ns = await f.call
+        except (VerifierLost, VerifierUnavailable) as e:
+            return self._failed(live, [], e)
+        waited = time.perf_counter() - waited
+        out, outcomes = [], {}
+        for s, n, options, v in zip(f.seqs, f.preemptions, f.candidates, verified):
+            if s.done or s.preemptions != n:  # cancelled, or preempted and to be resent whole
+                continue
+            if v.candidate < 0:  # skipped: nothing ran for it
+                self.stats.predraft_misses += 1
+                continue
+            _, tree, sources = options[v.candidate]
+            self.stats.predraft_hits += 1
+            out.append((s, self._commit(s, v, tree, sources, (), outcomes)))
+        if self.controller is not None:
+            self.controller.record_drafters(outcomes)
+        self.stats.add(len(f.seqs), max((len(p) for p in f.plans), default=0), time.perf_counter() - start,
+                       step_ns / 1e9, 0.0, verify_wait_s=waited)
+        return out
+
+    def _drop_following(self) -> None:
+        """Forget the step that left before an outcome without its answer: its requests are resent whole."""
+        f, self.following = self.following, None
+        for s in f.seqs if f is not None else ():
+            if not s.done:
+                s.verifier_has = 0
+                self.verifier_release.add(s.id)
 
     def _send_ahead(self, seqs: list[Sequence], in_flight: set[str]) -> Ahead | None:
         """Send the requests' next step now if it is plain for every one of them and needs nothing the
@@ -879,6 +993,7 @@ class SpeculativeEngine:
         queued step may fail before they were applied), and its requests are resent whole (the
         verifier lost their state) or fail."""
         self._drop_ahead()
+        self._drop_following()
         self.verifier_release.update(release)
         if isinstance(error, VerifierLost):
             return self._resync(batch, error)

@@ -97,15 +97,16 @@ class LocalVerifier:
     def __init__(self, verifier: Verifier):
         self.verifier = verifier
 
-    async def verify(self, checks, release: list[str]) -> tuple[list[Verified], int]:
+    async def verify(self, checks, release: list[str], follows: bool = False) -> tuple[list[Verified], int]:
         await self.release(release)
         start = time.perf_counter_ns()
-        verdicts = self.verifier.step([VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features,
-                                                     c.logprobs, c.prompt_logprobs, c.top_logprobs, c.allowed,
-                                                     c.prefill_only, c.output_start, c.stop_ids)
-                                       for c in checks])
-        return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs, v.cached_tokens) for v in verdicts],
-                time.perf_counter_ns() - start)
+        batch = [VerifyRequest(c.request_id, c.new_tokens, c.tree, c.sampling, c.features, c.logprobs,
+                               c.prompt_logprobs, c.top_logprobs, c.allowed, c.prefill_only, c.output_start, c.stop_ids,
+                               None if c.candidates is None else c.record_length, c.candidates or [])
+                 for c in checks]
+        verdicts = self.verifier.step(batch)
+        return ([Verified(v.tokens, v.features, v.logprobs, v.prompt_logprobs, v.cached_tokens, r.chosen)
+                 for v, r in zip(verdicts, batch)], time.perf_counter_ns() - start)
 
     async def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -118,7 +119,7 @@ class Engine:
                  lookup: bool = False, lookup_tokens: int = CHAIN_TOKENS, adaptive: bool = False,
                  tree_budget: int | None = None, heads: list[EagleHead] = (), dynamic: bool = False,
                  grammars: Grammars | None = None, prefill_chunk: int = 0, kv_tokens: int = POOL_TOKENS,
-                 draft_ahead: int = 0):
+                 draft_ahead: int = 0, outcome_steps: bool = False):
         """heads: feature drafters (EAGLE-3 heads of this LLM), drafting after the SSMs the mode uses
         (sequence and tree: SSM 0, if any; merged: every SSM); dynamic: every drafter reads the
         expansion as a budget and drafts EAGLE-2's dynamic trees (speculator.py); grammars: compiles
@@ -154,7 +155,7 @@ class Engine:
             SpeculationController(lookup=lookup, chain=lookup_tokens, trees=bool(drafters), ahead=draft_ahead > 0)
             if adaptive else None, lookup,
             lookup_tokens, grammars, prefill_chunk, prediction_tokens=prediction_tokens(llm.device.type),
-            draft_ahead=draft_ahead)
+            draft_ahead=draft_ahead, outcome_steps=outcome_steps)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Generation]:
         for r in requests:

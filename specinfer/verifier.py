@@ -53,6 +53,14 @@ class VerifyRequest:
     # token, and the tokens min_tokens holds back
     output_start: int = 0
     stop_ids: tuple[int, ...] = ()
+    # a step sent before the outcome of the request's step before it: the record's length before that outcome
+    # (None: an ordinary step), and the trees drafted ahead for its outcomes (the tokens it emits -> the next
+    # tree); `resolve` takes the outcome's tree and sets `chosen` to its index, or where none was drafted for
+    # it (-1) marks the request `skipped`: the step leaves it out (`stepped`), and it comes again with a tree
+    since: int | None = None
+    candidates: list[tuple[tuple[int, ...], TokenTree]] = field(default_factory=list)
+    chosen: int = -1
+    skipped: bool = False
 
 
 @dataclass
@@ -142,7 +150,27 @@ class Verifier:
         self.pool.check_room(need)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
-        return self.end(self.begin(batch))
+        self.resolve(batch)
+        run = stepped(batch)
+        return with_skipped(batch, self.end(self.begin(run)) if run else [])
+
+    def resolve(self, batch: list[VerifyRequest]) -> None:
+        """Each request with candidates takes the tree of the one whose outcome is what its step before
+        emitted, the record past `since` (none: it is `skipped`), once that step has ended."""
+        for req in batch:
+            if req.since is None:
+                continue
+            if req.new_tokens or len(req.tree):
+                raise ValueError(f"candidates (request {req.request_id}): a step chosen by the outcome of the one "
+                                 f"before takes no new_token_ids or tree")
+            cache = self.caches.get(req.request_id)
+            emitted = tuple(cache.tokens[req.since:]) if cache is not None and 0 <= req.since < len(cache.tokens) else None
+            if emitted is None:
+                raise ValueError(f"record_length (request {req.request_id}): the verifier holds "
+                                 f"{len(cache.tokens) if cache else 0} tokens, no outcome past {req.since}")
+            req.chosen = next((i for i, (outcome, _) in enumerate(req.candidates) if tuple(outcome) == emitted), -1)
+            req.tree = req.candidates[req.chosen][1] if req.chosen >= 0 else TokenTree()
+            req.since, req.candidates, req.skipped = None, [], req.chosen < 0
 
     def follows(self, after: "Begun", batch: list[VerifyRequest], released: list[str]) -> bool:
         """Whether `batch` may begin behind the step `after` before that one ends (`begin`): `after`'s
@@ -154,7 +182,7 @@ class Verifier:
         if (not batch or not self.chains or after.out is None or after.follower is not None or after.reads_rows
                 or not mine.isdisjoint(released)):
             return False
-        return all(not req.new_tokens and not len(req.tree) and req.request_id in after.passes
+        return all(not req.new_tokens and not len(req.tree) and req.since is None and req.request_id in after.passes
                    for req in batch if req.request_id in mine)
 
     def begin(self, batch: list[VerifyRequest], after: "Begun | None" = None) -> "Begun":
@@ -166,6 +194,7 @@ class Verifier:
             return Begun([], [], [], [], None, [], [], {})
         if after is not None and not self.follows(after, batch, []):
             raise ValueError("this batch cannot begin before the step it follows ends")
+        self.resolve(batch)
         takes = {req.request_id for req in batch if after is not None and req.request_id in after.passes}
         vocab = self.model.cfg.vocab_size
         for req in batch:
@@ -350,6 +379,17 @@ class Verifier:
                 n = len(v.tokens)
                 v.logprobs, at = entries[at: at + n], at + n
         return verdicts
+
+
+def stepped(batch: list[VerifyRequest]) -> list[VerifyRequest]:
+    """The requests a step runs: those `resolve` did not skip."""
+    return [req for req in batch if not req.skipped]
+
+
+def with_skipped(batch: list[VerifyRequest], verdicts: list[Verdict]) -> list[Verdict]:
+    """The verdicts of `stepped(batch)`, with an empty one (no tokens) for each request skipped."""
+    ran = iter(verdicts)
+    return [Verdict([], []) if req.skipped else next(ran) for req in batch]
 
 
 def apply_masks(logits: torch.Tensor, rows: list[list[int]], allowed: list[AllowedTokens]) -> None:

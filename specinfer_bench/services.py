@@ -64,7 +64,8 @@ from .inprocess import load_prompt_ids, reference_greedy
 from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
 
 
-OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead", "predraft"}
+OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead", "predraft",
+           "outcome"}
 PREDRAFT_OUTCOMES = 4  # @predraft: the manager's --draft-ahead
 LOGPROBS_TOP = 5  # @logprobs: every request asks for its tokens' logprobs with this many alternatives
 CHECK_PROMPTS, CHECK_TOKENS = 8, 32  # the greedy check before a setting is timed: these prompts, this many tokens
@@ -86,7 +87,8 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
     sampled drafts and MSS, a request option the manager's flags do not see; @baseline: the manager
     runs from the --baseline source tree; @head: the feature speculators `heads` draft too; @logprobs:
     the load's requests ask for logprobs, a request option the manager's flags do not see; @sequential and
-    @ahead: the manager's --steps-ahead off and on, where its default is auto; @predraft: its --draft-ahead)."""
+    @ahead: the manager's --steps-ahead off and on, where its default is auto; @predraft: its --draft-ahead;
+    @outcome: with @predraft, its --outcome-steps)."""
     flags = ["--port", "0", "--verifier", verifier, "--max-batch", "64"]
     name, *options = config.split("@")
     if unknown := set(options[1 if name != "off" else 0:]) - OPTIONS:
@@ -95,6 +97,8 @@ def manager_flags(config: str, verifier: str, speculators: list[str], heads: lis
         flags += ["--steps-ahead", "off" if "sequential" in options else "on"]
     if "predraft" in options:
         flags += ["--draft-ahead", str(PREDRAFT_OUTCOMES)]
+    if "outcome" in options:
+        flags += ["--outcome-steps"]
     if name == "off":  # no speculators and no lookup: incremental decoding
         return flags + ["--no-context-lookup"]
     expansion, budget, *options = config.split("@")
@@ -130,12 +134,12 @@ def ssms_used(configs: list[str], ssms: list) -> list:
 
 def engine_settings(config: str, ssms: list, device: str) -> dict:
     """Engine keyword arguments for a config in process: 'off', or EXPANSION@TREE_BUDGET with @static,
-    @nolookup, @alone or @predraft (the others name what only the services do); several SSMs merge their trees,
+    @nolookup, @alone, @predraft or @outcome (the others name what only the services do); several SSMs merge their trees,
     as the manager does, and @alone drafts with none of them; a budget of 0 is the manager's default for a
     verifier on `device`."""
     name, *options = config.split("@")
     budget = None if name == "off" else options.pop(0)
-    if unknown := set(options) - {"static", "nolookup", "alone", "predraft"}:
+    if unknown := set(options) - {"static", "nolookup", "alone", "predraft", "outcome"}:
         raise ValueError(f"--in-process: {config!r}: option(s) {sorted(unknown)} run only through the services")
     if name == "off":
         return {"ssms": [], "mode": Mode.INCREMENTAL}
@@ -143,7 +147,8 @@ def engine_settings(config: str, ssms: list, device: str) -> dict:
     return {"ssms": ssms, "mode": Mode.MERGED if len(ssms) > 1 else Mode.TREE,
             "expansion": [int(k) for k in name.split(",")],
             "tree_budget": default_tree_budget(device, int(budget)), "adaptive": "static" not in options,
-            "lookup": "nolookup" not in options, "draft_ahead": PREDRAFT_OUTCOMES if "predraft" in options else 0}
+            "lookup": "nolookup" not in options, "draft_ahead": PREDRAFT_OUTCOMES if "predraft" in options else 0,
+            "outcome_steps": "outcome" in options}
 
 
 def identical_share(what: str, outputs: list[list[int]], reference: list[list[int]], exact: bool) -> float:

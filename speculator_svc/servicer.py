@@ -22,7 +22,7 @@ from specinfer_rpc.model_convert import features_from_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS
 from specinfer_rpc.model_thread import ModelThread
 from specinfer_rpc.server import rpc_errors
-from specinfer_rpc.v1 import speculator_pb2, speculator_pb2_grpc
+from specinfer_rpc.v1 import common_pb2, speculator_pb2, speculator_pb2_grpc
 
 TREE_SECONDS = Histogram("specinfer_speculator_tree_seconds", "building one batch of draft trees (all SSMs, merged)",
                          buckets=LATENCY_BUCKETS)
@@ -63,7 +63,7 @@ class SpeculatorServicer(speculator_pb2_grpc.SpeculatorServicer):
                     outcomes = await self.thread.run(later)
                     yield speculator_pb2.SpeculateResponse(
                         iteration=request.iteration, drafted_ahead=True,
-                        outcomes=[speculator_pb2.OutcomeTree(request_id=u.request_id, outcome=key, tree=tree_to_pb(t))
+                        outcomes=[common_pb2.OutcomeTree(request_id=u.request_id, outcome=key, tree=tree_to_pb(t))
                                   for u, ahead in zip(request.updates, outcomes) for key, t in ahead.items()])
         finally:
             await self.thread.run(self._release_stream, prefix)

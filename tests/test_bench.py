@@ -304,10 +304,11 @@ def test_in_process_settings_are_the_managers_and_refuse_what_only_the_services_
     assert engine_settings("off", ssms, "cpu") == {"ssms": [], "mode": Mode.INCREMENTAL}
     assert engine_settings("2,1,1@16", ssms, "cpu") == {
         "ssms": ssms, "mode": Mode.MERGED, "expansion": [2, 1, 1], "tree_budget": 16, "adaptive": True, "lookup": True,
-        "draft_ahead": 0}
+        "draft_ahead": 0, "outcome_steps": False}
     assert engine_settings("2,1,1@16@predraft", ssms, "cpu")["draft_ahead"] == PREDRAFT_OUTCOMES  # the manager's flag
-    flags = manager_flags("2,1,1@16@predraft", "v", ["s"])
-    assert flags[flags.index("--draft-ahead") + 1] == str(PREDRAFT_OUTCOMES)
+    assert engine_settings("2,1,1@16@predraft@outcome", ssms, "cpu")["outcome_steps"]
+    flags = manager_flags("2,1,1@16@predraft@outcome", "v", ["s"])
+    assert flags[flags.index("--draft-ahead") + 1] == str(PREDRAFT_OUTCOMES) and "--outcome-steps" in flags
     one = engine_settings("1,1@8@static@nolookup", ssms[:1], "cpu")
     assert one["mode"] == Mode.TREE and not one["adaptive"] and not one["lookup"]
     alone = engine_settings("2,1,1@16@alone", ssms, "cpu")  # context lookup without the SSMs, as the manager's

@@ -147,16 +147,16 @@ def test_the_service_leaves_a_step_running_only_where_a_plain_step_could_begin_b
 
     try:
         lane = _Lane(loop)
-        begun = servicer._advance(lane, [], [plain("0", prompt)], [len(prompt)], ["plain"])
+        begun = servicer._advance(lane, [], [plain("0", prompt)], [len(prompt)], [False])
         assert begun is not None and lane.running is begun  # the prefill's one token: a step may follow
-        assert servicer._advance(lane, [], [tree()], [len(prompt) + 1], ["miss"]) is None  # the prefill ended first
+        assert servicer._advance(lane, [], [tree()], [len(prompt) + 1], [False]) is None  # the prefill ended first
         assert lane.running is None and not servicer.running
         loop.run_until_complete(asyncio.sleep(0))  # the answers put from "the model thread" (here: this one)
         answers = [lane.answers.get_nowait() for _ in range(2)]
         assert lane.answers.empty()
         servicer.streams = 2  # another manager's stream open: the tree step is left running
         length = len(prompt) + 1 + len(answers[1][1][0].tokens)
-        begun = servicer._advance(lane, [], [tree()], [length], ["miss"])
+        begun = servicer._advance(lane, [], [tree()], [length], [False])
         assert begun is not None and lane.running is begun
         servicer._close(lane, begun)
         loop.run_until_complete(asyncio.sleep(0))

@@ -19,7 +19,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from specinfer.acceptance import Verdict
-from specinfer.verifier import Begun, Verifier, VerifyRequest
+from specinfer.verifier import Begun, Verifier, VerifyRequest, stepped, with_skipped
 from specinfer_rpc.convert import allowed_from_pb, sampling_from_pb, tree_from_pb, validated
 from specinfer_rpc.model_convert import features_to_pb, logprobs_to_pb
 from specinfer_rpc.metrics import LATENCY_BUCKETS, SIZE_BUCKETS
@@ -65,17 +65,29 @@ def verify_requests(request: verifier_pb2.VerifyRequest, vocab_size: int) -> lis
                            item.return_logprobs, item.return_prompt_logprobs, item.top_logprobs,
                            allowed_from_pb(item.allowed, vocab_size, f"allowed (request {item.request_id})")
                            if item.HasField("allowed") else None, item.prefill_only, item.output_start,
-                           tuple(item.stop_token_ids))
+                           tuple(item.stop_token_ids), item.record_length if item.follows_outcome else None,
+                           [(tuple(c.outcome), tree_from_pb(c.tree)) for c in item.candidates])
              for item in request.items]
+    for item in request.items:
+        if item.candidates and not item.follows_outcome:
+            raise ValueError(f"candidates (request {item.request_id}): only a step that follows_outcome has them")
+        if item.follows_outcome and (item.new_token_ids or item.tree.token_ids):
+            raise ValueError(f"candidates (request {item.request_id}): a step that follows_outcome takes no "
+                             f"new_token_ids or tree of its own")
     if len({req.request_id for req in batch}) != len(batch):
         raise ValueError("items: request ids must be unique within a batch")
     return batch
 
 
-def kinds(request: verifier_pb2.VerifyRequest) -> list[str]:
-    """What each item's step is, for IDLE: plain, or a tree drafted after the verdict before it (miss) or
-    during that step (hit)."""
-    return [("hit" if item.predrafted else "miss") if item.tree.token_ids else "plain" for item in request.items]
+def kinds(request: verifier_pb2.VerifyRequest) -> list[bool]:
+    """Whether each item's tree, if it has one, was drafted during the step before (for IDLE: `kind`)."""
+    return [item.predrafted or item.follows_outcome for item in request.items]
+
+
+def kind(req: VerifyRequest, predrafted: bool) -> str:
+    """What a step is once its tree is known (`Verifier.resolve`), for IDLE: plain, or a tree drafted after
+    the verdict before it (miss) or during that step (hit)."""
+    return ("hit" if predrafted else "miss") if len(req.tree) else "plain"
 
 
 def verify_response(batch: list[VerifyRequest], verdicts: list[Verdict], step_ns: int) -> verifier_pb2.VerifyResponse:
@@ -85,7 +97,7 @@ def verify_response(batch: list[VerifyRequest], verdicts: list[Verdict], step_ns
                                            features=features_to_pb(v.features) if v.features else None,
                                            logprobs=logprobs_to_pb(v.logprobs or []),
                                            prompt_logprobs=logprobs_to_pb(v.prompt_logprobs or []),
-                                           cached_tokens=v.cached_tokens)
+                                           cached_tokens=v.cached_tokens, candidate=r.chosen + 1)
                  for r, v in zip(batch, verdicts)],
         step_ns=step_ns)
 
@@ -101,6 +113,7 @@ class _Lane:
     running: Begun | None = None  # (model thread) begun and not ended
     ended_ns: int = 0  # (model thread) when its last step ended (perf_counter_ns)
     closed: bool = False  # the stream ended: messages still queued are not run
+    whole: dict[int, list[VerifyRequest]] = field(default_factory=dict)  # a step's batch with those it skipped
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -200,18 +213,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # on the model thread:
 
-    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int], kinds: list[str]):
+    def _step(self, release: list[str], batch: list[VerifyRequest], lengths: list[int], kinds: list[bool]):
         """A step begun and ended: its batch, its verdicts and its time (ns)."""
         start = time.perf_counter_ns()
         self._admit(release + self._stale(), batch, lengths, None)
+        self.verifier.resolve(batch)
         self._idle(batch, kinds, None)
         verdicts = self.verifier.step(batch)
         end = time.perf_counter_ns()
-        self.ended.update((req.request_id, end) for req in batch)
+        self.ended.update((req.request_id, end) for req in stepped(batch))
         return batch, verdicts, end - start
 
     def _advance(self, lane: "_Lane", release: list[str], batch: list[VerifyRequest], lengths: list[int],
-                 kinds: list[str]) -> Begun | None:
+                 kinds: list[bool]) -> Begun | None:
         """The message's step: without `overlap`, run; with it, begun behind the lane's running step if
         it may follow it (which then ends), else after that one ends, and left running: unless ending
         it reads its logits, or every request of it verifies a tree (no request gets the one token a
@@ -236,8 +250,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._end(lane, running)  # (an error there is on the stream already)
         try:
             self._admit(released, batch, lengths, after)
+            self.verifier.resolve(batch)  # (a step that follows an outcome never begins behind it: `follows`)
             self._idle(batch, kinds, after)
-            begun = self.verifier.begin(batch, after)
+            run = stepped(batch)
+            if not run:  # every request skipped (none of their outcomes drafted for): nothing runs
+                self._put(lane, (batch, with_skipped(batch, []), 0))
+                return None
+            begun = self.verifier.begin(run, after)
+            if len(run) < len(batch):
+                lane.whole[id(begun)] = batch
         except Exception as e:
             if after is not None:  # the step it was to follow ends first
                 self._end(lane, after)
@@ -277,17 +298,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise
         # its time: from its begin, or from the end of the step it began behind, to its end (what it adds)
         now = time.perf_counter_ns()
-        self._put(lane, (begun.batch, verdicts, now - max(begun.started_ns, lane.ended_ns)))
+        batch = lane.whole.pop(id(begun), begun.batch)  # with the requests it skipped
+        self._put(lane, (batch, with_skipped(batch, verdicts), now - max(begun.started_ns, lane.ended_ns)))
         lane.ended_ns = now
         self.ended.update((req.request_id, now) for req in begun.batch)
 
-    def _idle(self, batch: list[VerifyRequest], kinds: list[str], after: Begun | None) -> None:
+    def _idle(self, batch: list[VerifyRequest], predrafted: list[bool], after: Begun | None) -> None:
         """The verifier's wait for each request's step now beginning (IDLE), where it had a step before."""
         now = time.perf_counter_ns()
         behind = {req.request_id for req in after.batch} if after is not None else ()
-        for req, kind in zip(batch, kinds):
-            if (ended := self.ended.get(req.request_id)) is not None:
-                IDLE.labels(next=kind).observe(0.0 if req.request_id in behind else max(0, now - ended) / 1e9)
+        for req, ahead in zip(batch, predrafted):
+            if not req.skipped and (ended := self.ended.get(req.request_id)) is not None:
+                IDLE.labels(next=kind(req, ahead)).observe(0.0 if req.request_id in behind
+                                                           else max(0, now - ended) / 1e9)
 
     @staticmethod
     def _put(lane: "_Lane", answer) -> None:
@@ -324,6 +347,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for req, length in zip(batch, lengths):
             cache = self.verifier.caches.get(req.request_id)
             have = (len(cache.tokens) if cache is not None else 0) + (after is not None and req.request_id in after.passes)
+            if req.since is not None:  # the outcome of the step before, at least its bonus token, lies past length
+                if have <= length:
+                    raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"request {req.request_id}: the verifier holds {have} tokens of its record, no "
+                                f"outcome past record_length {length}; resend the whole record")
+                continue
             if have + len(req.new_tokens) != length:
                 raise Abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"request {req.request_id}: the verifier holds {have} tokens of its record, "

@@ -74,7 +74,7 @@ def _free_port() -> int:
 
 
 class ParallelVerifier:
-    """Rank 0: the same interface as `Verifier` (step, release, caches, pool, model)."""
+    """Rank 0: the same interface as `Verifier` (resolve, step, release, caches, pool, model)."""
 
     def __init__(self, model_dir: str, tp: int, pp: int, dtype: torch.dtype, device: torch.device,
                  kv_tokens: int, threads: int = 0, timeout_s: float = 30.0, feature_layers: tuple[int, ...] = (),
@@ -134,6 +134,10 @@ class ParallelVerifier:
                 conn.send(message)
             except OSError as e:
                 self._fail(f"rank {rank}: {e}")
+
+    def resolve(self, batch: list[VerifyRequest]) -> None:
+        """Here, before the step goes to the other ranks: they take the trees rank 0 chose."""
+        self.local.resolve(batch)
 
     def step(self, batch: list[VerifyRequest]) -> list[Verdict]:
         self._send(("step", batch))

@@ -66,6 +66,16 @@ class DraftGroup(_message.Message):
     replacement: bool
     def __init__(self, parent: _Optional[int] = ..., q_token_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ..., children: _Optional[_Iterable[int]] = ..., replacement: _Optional[bool] = ...) -> None: ...
 
+class OutcomeTree(_message.Message):
+    __slots__ = ("request_id", "outcome", "tree")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    tree: TokenTree
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ...) -> None: ...
+
 class TokenTree(_message.Message):
     __slots__ = ("token_ids", "parents", "draft_groups")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specinfer_rpc.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/speculator.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"b\n\x10SpeculateRequest\x12\x11\n\titeration\x18\x01 \x01(\x04\x12*\n\x07updates\x18\x02 \x03(\x0b\x32\x19.specinfer.v1.DraftUpdate\x12\x0f\n\x07release\x18\x03 \x03(\t\"\xdd\x01\n\x0b\x44raftUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x11\n\texpansion\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\r\x12+\n\x08\x66\x65\x61tures\x18\x07 \x03(\x0b\x32\x19.specinfer.v1.FeatureRows\x12\r\n\x05\x61head\x18\x08 \x01(\r\"\xa4\x01\n\x11SpeculateResponse\x12\x11\n\titeration\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.specinfer.v1.DraftTree\x12\x10\n\x08\x64raft_ns\x18\x03 \x01(\x03\x12\x15\n\rdrafted_ahead\x18\x04 \x01(\x08\x12+\n\x08outcomes\x18\x05 \x03(\x0b\x32\x19.specinfer.v1.OutcomeTree\"Y\n\x0bOutcomeTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x03(\x05\x12%\n\x04tree\x18\x03 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"F\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"\x1a\n\x18GetSpeculatorInfoRequest\"j\n\x0eSpeculatorInfo\x12\x13\n\x0bmodel_names\x18\x01 \x03(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x04 \x03(\x05\x32\xaf\x01\n\nSpeculator\x12P\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse(\x01\x30\x01\x12O\n\x07GetInfo\x12&.specinfer.v1.GetSpeculatorInfoRequest\x1a\x1c.specinfer.v1.SpeculatorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspecinfer/v1/speculator.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"b\n\x10SpeculateRequest\x12\x11\n\titeration\x18\x01 \x01(\x04\x12*\n\x07updates\x18\x02 \x03(\x0b\x32\x19.specinfer.v1.DraftUpdate\x12\x0f\n\x07release\x18\x03 \x03(\t\"\xdd\x01\n\x0b\x44raftUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x11\n\texpansion\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x13\n\x0breplacement\x18\x05 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x06 \x01(\r\x12+\n\x08\x66\x65\x61tures\x18\x07 \x03(\x0b\x32\x19.specinfer.v1.FeatureRows\x12\r\n\x05\x61head\x18\x08 \x01(\r\"\xa4\x01\n\x11SpeculateResponse\x12\x11\n\titeration\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.specinfer.v1.DraftTree\x12\x10\n\x08\x64raft_ns\x18\x03 \x01(\x03\x12\x15\n\rdrafted_ahead\x18\x04 \x01(\x08\x12+\n\x08outcomes\x18\x05 \x03(\x0b\x32\x19.specinfer.v1.OutcomeTree\"F\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\"\x1a\n\x18GetSpeculatorInfoRequest\"j\n\x0eSpeculatorInfo\x12\x13\n\x0bmodel_names\x18\x01 \x03(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x04 \x03(\x05\x32\xaf\x01\n\nSpeculator\x12P\n\tSpeculate\x12\x1e.specinfer.v1.SpeculateRequest\x1a\x1f.specinfer.v1.SpeculateResponse(\x01\x30\x01\x12O\n\x07GetInfo\x12&.specinfer.v1.GetSpeculatorInfoRequest\x1a\x1c.specinfer.v1.SpeculatorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,14 +39,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTUPDATE']._serialized_end=396
   _globals['_SPECULATERESPONSE']._serialized_start=399
   _globals['_SPECULATERESPONSE']._serialized_end=563
-  _globals['_OUTCOMETREE']._serialized_start=565
-  _globals['_OUTCOMETREE']._serialized_end=654
-  _globals['_DRAFTTREE']._serialized_start=656
-  _globals['_DRAFTTREE']._serialized_end=726
-  _globals['_GETSPECULATORINFOREQUEST']._serialized_start=728
-  _globals['_GETSPECULATORINFOREQUEST']._serialized_end=754
-  _globals['_SPECULATORINFO']._serialized_start=756
-  _globals['_SPECULATORINFO']._serialized_end=862
-  _globals['_SPECULATOR']._serialized_start=865
-  _globals['_SPECULATOR']._serialized_end=1040
+  _globals['_DRAFTTREE']._serialized_start=565
+  _globals['_DRAFTTREE']._serialized_end=635
+  _globals['_GETSPECULATORINFOREQUEST']._serialized_start=637
+  _globals['_GETSPECULATORINFOREQUEST']._serialized_end=663
+  _globals['_SPECULATORINFO']._serialized_start=665
+  _globals['_SPECULATORINFO']._serialized_end=771
+  _globals['_SPECULATOR']._serialized_start=774
+  _globals['_SPECULATOR']._serialized_end=949
 # @@protoc_insertion_point(module_scope)

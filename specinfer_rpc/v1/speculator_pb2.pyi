@@ -49,18 +49,8 @@ class SpeculateResponse(_message.Message):
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
     draft_ns: int
     drafted_ahead: bool
-    outcomes: _containers.RepeatedCompositeFieldContainer[OutcomeTree]
-    def __init__(self, iteration: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., draft_ns: _Optional[int] = ..., drafted_ahead: _Optional[bool] = ..., outcomes: _Optional[_Iterable[_Union[OutcomeTree, _Mapping]]] = ...) -> None: ...
-
-class OutcomeTree(_message.Message):
-    __slots__ = ("request_id", "outcome", "tree")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    OUTCOME_FIELD_NUMBER: _ClassVar[int]
-    TREE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    outcome: _containers.RepeatedScalarFieldContainer[int]
-    tree: _common_pb2.TokenTree
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    outcomes: _containers.RepeatedCompositeFieldContainer[_common_pb2.OutcomeTree]
+    def __init__(self, iteration: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., draft_ns: _Optional[int] = ..., drafted_ahead: _Optional[bool] = ..., outcomes: _Optional[_Iterable[_Union[_common_pb2.OutcomeTree, _Mapping]]] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("request_id", "tree")

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from specinfer_rpc.v1 import common_pb2 as specinfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/verifier.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"I\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.VerifyItem\x12\x0f\n\x07release\x18\x02 \x03(\t\"\x93\x03\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rrecord_length\x18\x03 \x01(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\x12,\n\x07\x61llowed\x18\n \x01(\x0b\x32\x1b.specinfer.v1.AllowedTokens\x12\x14\n\x0cprefill_only\x18\x0b \x01(\x08\x12\x14\n\x0coutput_start\x18\x0c \x01(\x05\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\npredrafted\x18\x0e \x01(\x08\"-\n\rAllowedTokens\x12\r\n\x05masks\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x03(\r\"N\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specinfer.v1.VerifyResult\x12\x0f\n\x07step_ns\x18\x02 \x01(\x03\"\xdc\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x19.specinfer.v1.FeatureRows\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x18\n\x16GetVerifierInfoRequest\"\x94\x02\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14kv_cache_free_tokens\x18\x07 \x01(\x03\x12\x15\n\rkv_block_size\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\x05\x12\x1e\n\x16kv_cache_cached_tokens\x18\n \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t2\xb3\x02\n\x08Verifier\x12\x43\n\x06Verify\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse\x12M\n\x0cVerifyStream\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12K\n\x07GetInfo\x12$.specinfer.v1.GetVerifierInfoRequest\x1a\x1a.specinfer.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecinfer/v1/verifier.proto\x12\x0cspecinfer.v1\x1a\x19specinfer/v1/common.proto\"I\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specinfer.v1.VerifyItem\x12\x0f\n\x07release\x18\x02 \x03(\t\"\xdb\x03\n\nVerifyItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rrecord_length\x18\x03 \x01(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specinfer.v1.TokenTree\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specinfer.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x06 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\x12,\n\x07\x61llowed\x18\n \x01(\x0b\x32\x1b.specinfer.v1.AllowedTokens\x12\x14\n\x0cprefill_only\x18\x0b \x01(\x08\x12\x14\n\x0coutput_start\x18\x0c \x01(\x05\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\npredrafted\x18\x0e \x01(\x08\x12\x17\n\x0f\x66ollows_outcome\x18\x0f \x01(\x08\x12-\n\ncandidates\x18\x10 \x03(\x0b\x32\x19.specinfer.v1.OutcomeTree\"-\n\rAllowedTokens\x12\r\n\x05masks\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x03(\r\"N\n\x0eVerifyResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specinfer.v1.VerifyResult\x12\x0f\n\x07step_ns\x18\x02 \x01(\x03\"\xef\x01\n\x0cVerifyResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x19.specinfer.v1.FeatureRows\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1a.specinfer.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x11\n\tcandidate\x18\x07 \x01(\x05\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x11\n\x0fReleaseResponse\"\x18\n\x16GetVerifierInfoRequest\"\x94\x02\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\x05\x12\x17\n\x0fkv_cache_tokens\x18\x06 \x01(\x03\x12\x1c\n\x14kv_cache_free_tokens\x18\x07 \x01(\x03\x12\x15\n\rkv_block_size\x18\x08 \x01(\x05\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\t \x03(\x05\x12\x1e\n\x16kv_cache_cached_tokens\x18\n \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t2\xb3\x02\n\x08Verifier\x12\x43\n\x06Verify\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse\x12M\n\x0cVerifyStream\x12\x1b.specinfer.v1.VerifyRequest\x1a\x1c.specinfer.v1.VerifyResponse(\x01\x30\x01\x12\x46\n\x07Release\x12\x1c.specinfer.v1.ReleaseRequest\x1a\x1d.specinfer.v1.ReleaseResponse\x12K\n\x07GetInfo\x12$.specinfer.v1.GetVerifierInfoRequest\x1a\x1a.specinfer.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST']._serialized_start=72
   _globals['_VERIFYREQUEST']._serialized_end=145
   _globals['_VERIFYITEM']._serialized_start=148
-  _globals['_VERIFYITEM']._serialized_end=551
-  _globals['_ALLOWEDTOKENS']._serialized_start=553
-  _globals['_ALLOWEDTOKENS']._serialized_end=598
-  _globals['_VERIFYRESPONSE']._serialized_start=600
-  _globals['_VERIFYRESPONSE']._serialized_end=678
-  _globals['_VERIFYRESULT']._serialized_start=681
-  _globals['_VERIFYRESULT']._serialized_end=901
-  _globals['_RELEASEREQUEST']._serialized_start=903
-  _globals['_RELEASEREQUEST']._serialized_end=940
-  _globals['_RELEASERESPONSE']._serialized_start=942
-  _globals['_RELEASERESPONSE']._serialized_end=959
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=961
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=985
-  _globals['_VERIFIERINFO']._serialized_start=988
-  _globals['_VERIFIERINFO']._serialized_end=1264
-  _globals['_VERIFIER']._serialized_start=1267
-  _globals['_VERIFIER']._serialized_end=1574
+  _globals['_VERIFYITEM']._serialized_end=623
+  _globals['_ALLOWEDTOKENS']._serialized_start=625
+  _globals['_ALLOWEDTOKENS']._serialized_end=670
+  _globals['_VERIFYRESPONSE']._serialized_start=672
+  _globals['_VERIFYRESPONSE']._serialized_end=750
+  _globals['_VERIFYRESULT']._serialized_start=753
+  _globals['_VERIFYRESULT']._serialized_end=992
+  _globals['_RELEASEREQUEST']._serialized_start=994
+  _globals['_RELEASEREQUEST']._serialized_end=1031
+  _globals['_RELEASERESPONSE']._serialized_start=1033
+  _globals['_RELEASERESPONSE']._serialized_end=1050
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=1052
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=1076
+  _globals['_VERIFIERINFO']._serialized_start=1079
+  _globals['_VERIFIERINFO']._serialized_end=1355
+  _globals['_VERIFIER']._serialized_start=1358
+  _globals['_VERIFIER']._serialized_end=1665
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed", "prefill_only", "output_start", "stop_token_ids", "predrafted")
+    __slots__ = ("request_id", "new_token_ids", "record_length", "tree", "sampling", "return_features", "return_logprobs", "top_logprobs", "return_prompt_logprobs", "allowed", "prefill_only", "output_start", "stop_token_ids", "predrafted", "follows_outcome", "candidates")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RECORD_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class VerifyItem(_message.Message):
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREDRAFTED_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     record_length: int
@@ -46,7 +48,9 @@ class VerifyItem(_message.Message):
     output_start: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     predrafted: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ..., prefill_only: _Optional[bool] = ..., output_start: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., predrafted: _Optional[bool] = ...) -> None: ...
+    follows_outcome: bool
+    candidates: _containers.RepeatedCompositeFieldContainer[_common_pb2.OutcomeTree]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., record_length: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., allowed: _Optional[_Union[AllowedTokens, _Mapping]] = ..., prefill_only: _Optional[bool] = ..., output_start: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., predrafted: _Optional[bool] = ..., follows_outcome: _Optional[bool] = ..., candidates: _Optional[_Iterable[_Union[_common_pb2.OutcomeTree, _Mapping]]] = ...) -> None: ...
 
 class AllowedTokens(_message.Message):
     __slots__ = ("masks", "index")
@@ -65,20 +69,22 @@ class VerifyResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., step_ns: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "token_ids", "features", "logprobs", "prompt_logprobs", "cached_tokens")
+    __slots__ = ("request_id", "token_ids", "features", "logprobs", "prompt_logprobs", "cached_tokens", "candidate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     features: _common_pb2.FeatureRows
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.FeatureRows, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    candidate: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[_common_pb2.FeatureRows, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ..., candidate: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids",)
