@@ -801,8 +801,8 @@ class SpeculativeEngine:
         """An iteration whose step left before the outcome of the one before: the drafters are told that
         outcome (their trees drafted ahead for it are this step's, and they draft ahead again meanwhile), the
         next step follows this one if it may (the same requests: one admitted meanwhile, or gone, ends the
-        chain), then this one's answers are committed with the tree each request's outcome took (none: a
-        plain step)."""
+        chain), then this one's answers are committed with the tree each request's outcome took (a request
+        none was drafted for was skipped: nothing to commit, it goes again with a tree)."""
         f, self.following = self.following, None
         live = [s for s, n in zip(f.seqs, f.preemptions) if not s.done and s.preemptions == n]
         plans = {s.id: p for s, p in zip(f.seqs, f.plans)}
