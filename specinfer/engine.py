@@ -840,7 +840,12 @@ class SpeculativeEngine:
     def _drop_following(self) -> None:
         """Forget the step that left before an outcome without its answer: its requests are resent whole."""
         f, self.following = self.following, None
-        for s in f.seqs if f is not None else ():
+        self._resend_whole(f.seqs if f is not None else ())
+
+    def _resend_whole(self, seqs: list[Sequence]) -> None:
+        """What the verifier holds of these requests is not known (a step of theirs was dropped unanswered):
+        release it, and send each live one's whole record next step."""
+        for s in seqs:
             if not s.done:
                 s.verifier_has = 0
                 self.verifier_release.add(s.id)
@@ -877,10 +882,7 @@ class SpeculativeEngine:
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return None
-        for s in ahead.seqs:
-            if not s.done:
-                s.verifier_has = 0
-                self.verifier_release.add(s.id)
+        self._resend_whole(ahead.seqs)
         self.verifier_release.update(ahead.release)
         return ahead
 
