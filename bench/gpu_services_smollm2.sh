@@ -8,8 +8,9 @@
 #   code      specinfer_bench.services --in-process on the held-out code and chat requests
 #             (models/smollm2/prompts.jsonl), SmolLM2's SSM 0 the speculator: speculation off, the manager's
 #             default, the default drafting ahead where its controller prices it faster (@predraft: --draft-ahead
-#             4) and drafting ahead at every step on the default's whole trees (@static@predraft: no controller)
-#             at 1, 16 and 64 streams, 128 new tokens, ignore_eos: tok/s, tokens per step, an
+#             4), drafting ahead at every step on the default's whole trees (@static@predraft: no controller),
+#             and the default drafting ahead with steps that leave before the outcome of the step before
+#             (@predraft@outcome: --outcome-steps) at 1, 16 and 64 streams, 128 new tokens, ignore_eos: tok/s, tokens per step, an
 #             iteration's split, the hit rate and the verifier's idle time by what the next step was;
 #             services against in process
 #   natural   the same at 1 and 16 streams with natural stops (a request ends where SmolLM2 ends its reply)
@@ -42,7 +43,7 @@ run) ;;
 esac
 gpu_start services_smollm2 'inflate|code|natural|general' "$@" || exit $?
 gpu_smollm2 || exit 1
-budget=470 ssm=models/smollm2/ssm-0 configs='off;default;default@predraft;default@static@predraft'
+budget=470 ssm=models/smollm2/ssm-0 configs='off;default;default@predraft;default@static@predraft;default@predraft@outcome'
 if [ "$device" = cuda ]; then
     size=7b inflate=(--preset llama-7b --dtype bfloat16 --device cuda)
     load=(--concurrency 1,16,64 --requests-per-stream 4 --max-new-tokens 128)

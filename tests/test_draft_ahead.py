@@ -152,8 +152,12 @@ def test_through_the_services_drafting_ahead_gives_the_llms_tokens_and_hits_skip
     assert total(v, "specinfer_verifier_idle_seconds_count", next="miss") >= misses
 
 
-def test_a_speculator_killed_while_it_drafts_ahead_loses_nothing(heldout_ids):
-    system = launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0, manager_args=["--draft-ahead", "4"])
+@pytest.mark.parametrize("outcome_steps", [[], ["--outcome-steps"]], ids=["after-the-answer", "before-the-outcome"])
+def test_a_speculator_killed_while_it_drafts_ahead_loses_nothing(heldout_ids, outcome_steps):
+    """The speculator is killed mid-chain: its drafts ahead (and, with --outcome-steps, a step that left with
+    them as candidates) are dropped, and every request goes on to the LLM's greedy tokens."""
+    system = launch(MODELS / "llm", [MODELS / "ssm-0"], speculators=1, port=0,
+                    manager_args=["--draft-ahead", "4", *outcome_steps])
     prompts = heldout_ids[:4]
     try:
         async def go():
