@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .report import _plt, command_line, machine
+from .report import _plt, command_line, machine, save_panel
 
 
 def load(spec: str) -> dict:
@@ -58,13 +58,8 @@ def plot(rows: list[dict], path: Path, machine_text: str) -> None:
             for r, x, y in zip(mine, xs, ys):
                 ax.annotate(r["head"], (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
     ax.set_xscale("log")
-    ax.set_xlabel("the LLM's reply tokens trained on")
-    ax.set_ylabel("first-token agreement, %")
-    ax.set_title(f"distilled data against agreement\n{machine_text}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_panel(fig, ax, path, f"distilled data against agreement\n{machine_text}", "the LLM's reply tokens trained on",
+               "first-token agreement, %", legend_size=7)
 
 
 def main(argv: list[str] | None = None) -> None:

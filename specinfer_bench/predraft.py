@@ -2,7 +2,7 @@
 tree, greedy, each kind of held-out request (code prompts, chat requests, general requests) decoded with the
 SSM drafting ahead for N outcomes of each step, N = 0 (drafting after each verdict) and the N given: the
 share of request steps whose tree was drafted ahead for the outcome the step before emitted, tokens per step,
-and whether the tokens are those of N = 0 (they must be). In process the drafter shares the verifier's
+and whether the tokens are those of N = 0 (they must be), with a plot of the hit rate against N. In process the drafter shares the verifier's
 device, so time is not what this measures: through the services, `python -m specinfer_bench.services
 --configs '...@predraft'`.
 
@@ -23,7 +23,9 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 
 from .inprocess import load_prompt_ids
-from .report import command_line, machine
+from .report import _plt, command_line, machine, save_panel
+
+HIT_GOAL = 0.6  # issue 95's hit rate on code and chat
 
 
 def kinds() -> dict[str, list[dict]]:
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--outcomes", default="1,2,4,8", help="N: outcomes drafted ahead per step, comma-separated")
     ap.add_argument("--expansion", default="2,1,1")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, required=True, help="write OUT.json and OUT.md")
+    ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
     llm, ssm = LlamaModel.from_pretrained(DEFAULT_LLM), LlamaModel.from_pretrained(default_ssms()[0])
     expansion, outcomes = [int(k) for k in args.expansion.split(",")], [int(n) for n in args.outcomes.split(",")]
@@ -72,7 +74,21 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {rate} | {r['hits']} / "
                      f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out.with_suffix(".png"), machine())
     print("\n".join(lines))
+
+
+def plot(rows: list[dict], path: Path, machine_text: str) -> None:
+    """The hit rate against the outcomes drafted ahead per step, a line per kind of request."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind and r["hit_rate"] is not None]
+        ax.plot([r["outcomes"] for r in mine], [100 * r["hit_rate"] for r in mine], marker="o", label=kind)
+    ax.axhline(100 * HIT_GOAL, linestyle="--", color="grey", linewidth=1, label="issue 95's goal (code, chat)")
+    ax.set_xscale("log", base=2)
+    save_panel(fig, ax, path, f"drafting during verification: hit rate\n{machine_text}", "outcomes drafted ahead per step",
+               "steps whose tree was drafted ahead, %")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,17 @@ def _plt():
     return plt
 
 
+def save_panel(fig, ax, path: Path, title: str, xlabel: str, ylabel: str, legend_size: int = 8) -> None:
+    """A one-panel figure's labels, grid and legend, written to `path`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _throughput_panel(ax, rows: list[dict], configs: list[str], levels: list[int], baselines: dict[str, float]) -> None:
     for config in configs:
         mine = [r for r in rows if r["config"] == config]
