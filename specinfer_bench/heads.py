@@ -68,7 +68,7 @@ def drafter_names(use_ssm: bool, use_head: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", type=Path, default=None, help="the head (default: models/smollm2/head-0)")
+    ap.add_argument("--head", type=Path, default=None, help="the head (default: models/smollm2/head-1)")
     ap.add_argument("--prompts", type=int, default=32, help="requests of each set, at most")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--configs", default=";".join(list(CONFIGS)[:9]), help="labels of CONFIGS, separated by ';'")

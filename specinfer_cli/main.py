@@ -119,7 +119,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", type=Path, action="append", default=None,
                    help="a feature drafter (an EAGLE-3 head of the LLM, published layout), repeatable: in process it "
                         "drafts beside the SSMs the mode uses; serve: a speculator service of its own (default on "
-                        "the default LLM: its head, models/smollm2/head-0; --no-head for none)")
+                        "the default LLM: its head, models/smollm2/head-1; --no-head for none)")
     p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
                    help="generate runs on the CPU (auto: float32); serve: auto is bfloat16 on CUDA, float32 on the CPU")
 

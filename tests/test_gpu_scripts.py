@@ -49,7 +49,7 @@ def test_parts_keep_their_limits_and_what_comes_back_fits_the_device(tmp_path):
 
 
 def test_what_pack_moves_aside_unpack_puts_back(tmp_path):
-    files = {"models/smollm2/ssm-0/w.bin": "a", "models/smollm2/head-0/base.json": "b",
+    files = {"models/smollm2/ssm-0/w.bin": "a", "models/smollm2/head-1/base.json": "b",
              "models/fixtures/llm/w.bin": "c", "README.md": "d"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ def test_what_pack_moves_aside_unpack_puts_back(tmp_path):
     # what `gpu_pack smollm2` moves: a folder, and a folder inside one that stays
     assert bash("gpu_aside models/fixtures && gpu_aside models/smollm2/ssm-0", tmp_path).returncode == 0
     assert not (tmp_path / "models/fixtures").exists() and not (tmp_path / "models/smollm2/ssm-0").exists()
-    assert (tmp_path / "models/smollm2/head-0/base.json").exists()
+    assert (tmp_path / "models/smollm2/head-1/base.json").exists()
     proc = bash("gpu_unpack", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert {n: (tmp_path / n).read_text() for n in files} == files
@@ -111,6 +111,6 @@ def test_the_tests_part_names_the_first_failure_and_returns_pytests_status(tmp_p
 
 
 def test_the_default_llms_checksum_is_the_file_head_0_was_trained_on():
-    """A run rebuilds SmolLM2's GGUF from carried parts and checks it (gpu_smollm2) where head-0 may be aside."""
-    want = json.loads((ROOT / "models/smollm2/head-0/base.json").read_text())["sha256"]
+    """A run rebuilds SmolLM2's GGUF from carried parts and checks it (gpu_smollm2) where head-1 may be aside."""
+    want = json.loads((ROOT / "models/smollm2/head-1/base.json").read_text())["sha256"]
     assert bash("echo $GPU_SMOLLM2_SHA256", ROOT).stdout.strip() == want
