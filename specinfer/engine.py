@@ -439,6 +439,11 @@ class Ahead:
     why: list[str]  # why each request has no tree this step (Sequence.no_tree)
 
 
+def merged_trees(trees: dict[int, TokenTree]) -> TokenTree:
+    """One request's trees by drafter as one: a single tree as it is, several merged."""
+    return next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
+
+
 @dataclass
 class Following:
     """A step sent before the outcome of the step before it (`outcome_steps`): each request's candidates,
@@ -788,8 +793,7 @@ class SpeculativeEngine:
             options = []
             for key in sorted(keys):
                 trees = {i: within(drafted[i][s.id][key], len(plan)) for i in by}
-                options.append((key, next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values())),
-                                trees))
+                options.append((key, merged_trees(trees), trees))
             candidates.append(options)
             checks.append(Check(s.id, [], s.length, TokenTree(), s.request.sampling, output_start=len(s.request.prompt),
                                 stop_ids=self._stop_ids(s.request), candidates=[(k, t) for k, t, _ in options]))
@@ -1138,7 +1142,7 @@ class SpeculativeEngine:
                           "the drafters rarely agree with the LLM on this request (cut off until a probe)"
                           if asked else "context lookup found no earlier occurrence to continue"] += 1
                 continue
-            merged[s.id] = next(iter(trees.values())) if len(trees) == 1 else merge(list(trees.values()))
+            merged[s.id] = merged_trees(trees)
             sources[s.id] = trees
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
                      max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
