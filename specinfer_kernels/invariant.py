@@ -50,7 +50,8 @@ class Group(NamedTuple):
     rows: torch.Tensor  # the group's queries, in order
     where: tuple[torch.Tensor, torch.Tensor]  # each query's (request in the group, row) index into [B, M]
     slots: torch.Tensor  # [B * NC * LC] int64: each place's slot of the layer's pool, viewed [slots, Hkv, D]
-    hidden: torch.Tensor  # [B, 1, NC, rows, LC] bool: the places each row (query * G + head, at least 2) does not see
+    hidden: torch.Tensor  # [B, 1, NC, rows, LC]: -inf where a row (query * G + head, at least 2) does not see, else 0
+    values: torch.Tensor  # [B, Hkv, NC, LC, D + 1]: [..., :D] each layer's values in turn, [..., D] ones
     NC: int
     LC: int
 
@@ -67,17 +68,16 @@ def tree_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     scale = 1 / math.sqrt(d) if scale is None else scale
     keys, values = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     out = torch.zeros_like(q)
-    for g in batch.derived(("invariant", G), lambda: _plan(batch, G)):
+    for g in batch.derived(("invariant", G, hkv, d, q.dtype), lambda: _plan(batch, G, hkv, d, q.dtype)):
         qp = q.new_zeros(g.B, g.M, hq, d)
         qp[g.where] = q[g.rows] * scale
         qp = qp.view(g.B, g.M, hkv, G, d).transpose(1, 2).reshape(g.B, hkv, 1, g.M * G, d)  # row = query * G + head
         if g.M * G == 1:  # one row: a BLAS may take another path (GEMV); a zero row beside it
             qp = torch.cat([qp, torch.zeros_like(qp)], 3)
         k = keys.index_select(0, g.slots).view(g.B, g.NC, g.LC, hkv, d).permute(0, 3, 1, 4, 2).contiguous()
-        s = torch.matmul(qp, k).masked_fill_(g.hidden, -math.inf)  # [B, Hkv, NC, rows, LC]
-        p = torch.exp(s - s.amax(4, keepdim=True).amax(2, keepdim=True))
-        v = q.new_empty(g.B, hkv, g.NC, g.LC, d + 1)  # [V | 1]: the weights' sum from the same product
-        v[..., d] = 1
+        s = torch.matmul(qp, k).add_(g.hidden)  # [B, Hkv, NC, rows, LC]; a place not seen is -inf
+        p = s.sub_(s.amax(4, keepdim=True).amax(2, keepdim=True)).exp_()
+        v = g.values  # [V | 1]: the weights' sum from the same product; the ones are the plan's
         v[..., :d].copy_(values.index_select(0, g.slots).view(g.B, g.NC, g.LC, hkv, d).permute(0, 3, 1, 2, 4))
         parts = torch.matmul(p, v)  # [B, Hkv, NC, rows, D + 1]
         total = parts[:, :, 0].double()
@@ -90,9 +90,10 @@ def tree_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
-def _plan(batch: TreeBatch, G: int) -> list[Group]:
-    """What every layer's call shares, from the batch and the query heads per KV head G: its groups (as
-    the reference's), each request's keys in chunks by canonical position, and the mask of the rows."""
+def _plan(batch: TreeBatch, G: int, hkv: int, d: int, dtype: torch.dtype) -> list[Group]:
+    """What every layer's call shares, from the batch, the KV heads' count and size (G query heads each)
+    and q's dtype: its groups (as the reference's), each request's keys in chunks by canonical position,
+    the mask of the rows (as -inf to add to the scores) and a buffer for the values."""
     q_starts, sizes, groups = live_groups(batch)
     if not groups:
         return []
@@ -135,8 +136,10 @@ def _plan(batch: TreeBatch, G: int) -> list[Group]:
         mask[local, row] = visible[rows].gather(1, logical[local]) & valid[local]
         mask[..., 0] |= ~mask.any(-1)  # padding queries see one place, so that nothing is NaN; their rows are dropped
         mask = mask[:, :, None].expand(B, M, G, NC * LC).reshape(B, M * G, NC, LC).transpose(1, 2)[:, None]
-        hidden = ~(mask if M * G > 1 else torch.cat([mask, mask], 3))
-        out.append(Group(B, M, rows, (local, row), slots.flatten(), hidden.contiguous(), NC, LC))
+        hidden = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, -math.inf)
+        hidden = hidden if M * G > 1 else torch.cat([hidden, hidden], 3)
+        values = torch.ones(B, hkv, NC, LC, d + 1, dtype=dtype, device=device)
+        out.append(Group(B, M, rows, (local, row), slots.flatten(), hidden, values, NC, LC))
     return out
 
 
