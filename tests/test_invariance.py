@@ -6,17 +6,21 @@ this CPU's BLAS does not keep what the backend relies on, the backend refuses to
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
+from specinfer.eagle import EagleHead
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel, StepInput
+from specinfer.sampling import SamplingParams
 from specinfer_kernels import invariant
 from specinfer_kernels.invariant import blas_keeps_rows, tree_attention_invariant
 from specinfer_kernels.reference import tree_attention_reference
 
 from .conftest import MODELS
+from .test_feature_drafter import write_random_head
 from .test_kernels import CASES, make_case, random_parents
 
 BROKEN = blas_keeps_rows("cpu", torch.float32)  # None where the backend runs
@@ -97,6 +101,30 @@ def test_greedy_speculation_at_16_streams_is_the_bits_of_plain_decoding_alone(ll
     together = Engine(llm, ssms=ssms, mode=Mode.MERGED, expansion=[2, 2, 1], lookup=True).generate(requests)
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
     assert sum(g.tree_steps for g in together) > 0
+
+
+def test_greedy_and_seeded_outputs_with_every_drafter_and_the_prefix_cache_are_plain_decodings(llm, tmp_path):
+    """16 requests at once, greedy and seeded sampling, each four sharing a 48-token prefix that an earlier
+    request left in the prefix cache, drafted by both SSMs, a head and context lookup: each one's tokens are
+    those of plain decoding, the request alone on a fresh engine."""
+    rng = random.Random(7)
+    V = llm.cfg.vocab_size
+    prefixes = [[rng.randrange(V) for _ in range(48)] for _ in range(4)]
+    requests = [Request(prefixes[i % 4] + [rng.randrange(V) for _ in range(rng.randrange(3, 11))], 16,
+                        SamplingParams(0.9, seed=i) if i % 2 else SamplingParams(), id=str(i)) for i in range(16)]
+    if refused(lambda: Engine(llm, mode=Mode.INCREMENTAL).generate(requests[:1])):
+        return
+    alone = [Engine(llm, mode=Mode.INCREMENTAL).generate([r])[0] for r in requests]
+    write_random_head(tmp_path / "head", llm.cfg, seed=0, scale=4.0)
+    head = EagleHead.from_pretrained(tmp_path / "head", llm.cfg, llm.embed.weight)
+    ssms = [LlamaModel.from_pretrained(MODELS / name) for name in ("ssm-0", "ssm-1")]
+    engine = Engine(llm, ssms=ssms, mode=Mode.MERGED, expansion=[2, 2, 1], lookup=True, heads=[head])
+    engine.generate([replace(r, id="first " + r.id) for r in requests[:4]])  # leaves the prefixes in the cache
+    cached, step = [], engine.verifier.step
+    engine.verifier.step = lambda batch: [cached.append(v.cached_tokens) or v for v in step(batch)]
+    together = engine.generate(requests)
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert sum(cached) >= 16 * 32 and sum(g.tree_steps for g in together) > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
