@@ -10,6 +10,11 @@ SSM drafts for. What differs is each row's input:
 The head's KV of a tree is never kept: the accepted tokens come back with the LLM's features, which
 the head's own outputs only approximated, so they are fed again as pairs.
 
+Drafting ahead (`Speculator.draft_ahead`) works as an SSM's, with one difference: the LLM's features of an
+outcome's accepted path come only with the verdict, so the rows below an outcome read the head's own outputs,
+as a tree node's row does: the bonus token's row reads its path end's output (every forward's outputs are kept
+for it until the trees ahead are grown). A hit's tree is then not the one the head drafts after the verdict.
+
 Features arrive with the tokens they belong to, a `verifier.Features` per verify step (the committed
 rows: the previous bonus token and the accepted path, or the prompt). A pair whose features never came
 (a speculator that restarted, a step it missed) is fed zeros: the head then drafts worse for that
@@ -66,7 +71,6 @@ class _Known:
 
 class FeatureSpeculator(Speculator):
     wants_features = True
-    drafts_ahead = False  # (its rows past the tree would read its own predicted features: not yet)
 
     def __init__(self, head: EagleHead, index: int = 0, q_top: int = 32, kv_tokens: int = POOL_TOKENS,
                  progress: bool = False, dynamic: bool = False, prefill_chunk: int = 0):
@@ -78,15 +82,25 @@ class FeatureSpeculator(Speculator):
         self.known: dict[str, _Known] = {}
         self._hidden: torch.Tensor | None = None  # [N, H] the next forward's rows' hidden vectors
         self._out: torch.Tensor | None = None  # [R, H] the last forward's outputs
+        self._kept: list[tuple[list, torch.Tensor]] | None = None  # drafting ahead: each forward's rows, outputs
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
         self.known.pop(request_id, None)
 
-    def draft(self, batch: list[DraftRequest]) -> list:
-        """Trees as `Speculator.draft`; none for a request of fewer than two tokens (no pair yet)."""
+    def _draft(self, batch: list[DraftRequest], ahead: bool):
+        """Trees as `Speculator._draft`; none for a request of fewer than two tokens (no pair yet). Drafting
+        ahead, every forward's outputs are kept until `_ahead` has read them."""
         known = lambda r: len(self.known[r.request_id].record) if r.request_id in self.known else 0
-        return super().draft([r if len(r.new_tokens) + known(r) >= 2 else replace(r, expansion=[]) for r in batch])
+        self._kept = [] if ahead else None
+        return super()._draft([r if len(r.new_tokens) + known(r) >= 2 else replace(r, expansion=[]) for r in batch],
+                              ahead)
+
+    def _ahead(self, batch, g):
+        try:
+            return super()._ahead(batch, g)
+        finally:
+            self._kept = None
 
     def _sync(self, batch: list[DraftRequest]) -> list[KVCache]:
         """Take the new tokens and features, drop the last tree, and set the hidden vectors of the
@@ -139,3 +153,17 @@ class FeatureSpeculator(Speculator):
     def _follow(self, picked: torch.Tensor | None, kmax: int) -> None:
         """Each child's row reads its parent row's output."""
         self._hidden = self._out.repeat_interleave(kmax, 0) if picked is None else self._out[picked // kmax]
+
+    def _fed_rows(self, rows: list) -> None:
+        if self._kept is not None:
+            self._kept.append((rows, self._out))
+
+    def _reading(self, parents: list[tuple[int, int]]) -> None:
+        """Each row reads its parent's output, from whichever forward of this draft computed it: the head's own
+        prediction of the LLM's features there, which come only with the verdict."""
+        at, base = {}, 0
+        for rows, _ in self._kept:
+            at.update(((row.request, row.node), base + i) for i, row in enumerate(rows))
+            base += len(rows)
+        index = torch.tensor([at[p] for p in parents], dtype=torch.long, device=self.head.device)
+        self._hidden = torch.cat([out for _, out in self._kept])[index]

@@ -216,6 +216,7 @@ class Speculator:
         ids, levels, candidates, depth = None, [], [], 0
         while rows:
             logits = self._forward(items, ids)  # [len(rows), V]: one row per frontier node
+            self._fed_rows(rows)
             k = [0 if behind[row.request] else dynamic[row.request].top if dynamic[row.request]
                  else batch[row.request].expansion[depth] for row in rows]
             children = self._expand(logits, rows, k, batch, keys, depth)
@@ -270,8 +271,10 @@ class Speculator:
         if not reqs:
             return out
         leaves = {i: list(range(len(g.caches[i].tree), len(g.raw[i]))) for i in reqs}
+        self._reading([(i, g.raw[i].parents[u]) for i in reqs for u in leaves[i]])
         logits = self._forward([StepInput(g.caches[i], [], [g.raw[i].tokens[u] for u in leaves[i]],
                                           [g.raw[i].parents[u] for u in leaves[i]]) for i in reqs], None)
+        self._fed_rows([_Row(i, u, 0) for i in reqs for u in leaves[i]])
         outcomes = max(batch[i].ahead for i in reqs)
         parts = g.candidates + [_candidates(logits, outcomes)]
         ids = torch.cat([t.flatten() for t, _ in parts]).tolist()  # the pre-draft's synchronization and copies
@@ -299,6 +302,7 @@ class Speculator:
             size[i] += len(picks)
         sub = [r if g.ahead[i] else replace(r, expansion=[]) for i, r in enumerate(batch)]
         none = [None] * len(batch)
+        self._reading([(row.request, g.raw[row.request].parents[row.node]) for row in start])
         levels, _ = self._levels(sub, g.caches, start, items, size, [False] * len(batch), none, none, none)
         self._grow_raw(sub, g.caches, levels, none, g.raw)
         for (i, node), key in keys.items():
@@ -341,6 +345,15 @@ class Speculator:
     def _follow(self, picked: torch.Tensor | None, kmax: int) -> None:
         """The next level's rows are the children `picked` (indices into this level's [R, kmax]
         children, None: all of them): what a subclass whose rows carry more than a token keeps."""
+
+    def _fed_rows(self, rows: list[_Row]) -> None:
+        """The forward just run had these rows (its outputs in this order): what a subclass whose rows carry
+        more than a token keeps of them while it drafts ahead."""
+
+    def _reading(self, parents: list[tuple[int, int]]) -> None:
+        """The next forward's rows are tree nodes under these (request, node) (-1: the root's row), not the
+        children `_follow` picked (drafting ahead feeds the leaves, then each outcome's bonus token): for a
+        subclass whose rows carry more than a token."""
 
     def _expand(self, logits: torch.Tensor, rows: list[_Row], k: list[int], batch: list[DraftRequest],
                 keys: list[int | None], depth: int) -> tuple[torch.Tensor, ...]:

@@ -1,12 +1,15 @@
-"""How often drafting during verification hits (issue 95): in process, the default LLM and its SSM on a fixed
-tree, greedy, each kind of held-out request (code prompts, chat requests, general requests) decoded with the
-SSM drafting ahead for N outcomes of each step, N = 0 (drafting after each verdict) and the N given: the
+"""How often drafting during verification hits (issue 95): in process, the default LLM and its SSM (or head) on
+a fixed tree, greedy, each kind of held-out request (code prompts, chat requests, general requests) decoded with the
+drafter drafting ahead for N outcomes of each step, N = 0 (drafting after each verdict) and the N given: the
 share of request steps whose tree was drafted ahead for the outcome the step before emitted, tokens per step,
 and whether the tokens are those of N = 0 (they must be), with a plot of the hit rate against N. In process the drafter shares the verifier's
 device, so time is not what this measures: through the services, `python -m specinfer_bench.services
---configs '...@predraft'`.
+--configs '...@predraft'`. A head drafts ahead from its own outputs where the LLM's features of the accepted path
+are not known yet, so its trees drafted ahead are not those it drafts after the verdict: tokens per step against
+N = 0 say what that costs it.
 
     python -m specinfer_bench.predraft --out bench/results/predraft_hits_cpu
+    python -m specinfer_bench.predraft --drafter head --out bench/results/predraft_head_cpu
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specinfer.checkpoints import DEFAULT_LLM, default_heldout, default_ssms
+from specinfer.checkpoints import DEFAULT_LLM, default_heads, default_heldout, default_ssms
+from specinfer.eagle import EagleHead
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
@@ -40,16 +44,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--outcomes", default="1,2,4,8", help="N: outcomes drafted ahead per step, comma-separated")
     ap.add_argument("--expansion", default="2,1,1")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--drafter", choices=["ssm", "head"], default="ssm", help="SSM 0, or the shipped head alone")
     ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
-    llm, ssm = LlamaModel.from_pretrained(DEFAULT_LLM), LlamaModel.from_pretrained(default_ssms()[0])
+    llm = LlamaModel.from_pretrained(DEFAULT_LLM)
+    if args.drafter == "ssm":
+        drafters, name = {"ssms": [LlamaModel.from_pretrained(default_ssms()[0])]}, "SSM 0"
+    else:
+        path = default_heads()[0]
+        drafters, name = {"ssms": [], "heads": [EagleHead.from_pretrained(path, llm.cfg, llm.embed.weight)]}, path.name
     expansion, outcomes = [int(k) for k in args.expansion.split(",")], [int(n) for n in args.outcomes.split(",")]
     rows = []
     for kind, records in tqdm(kinds().items(), desc="kinds"):
         requests = [Request(p, args.max_new_tokens) for p in load_prompt_ids(DEFAULT_LLM, records)]
         reference = None
         for n in [0, *outcomes]:
-            engine = Engine(llm, [ssm], Mode.TREE, expansion, draft_ahead=n)
+            engine = Engine(llm, mode=Mode.TREE, expansion=expansion, draft_ahead=n, **drafters)
             gens = engine.generate(requests)
             tokens = [g.token_ids for g in gens]
             reference = reference or tokens
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine(), "rows": rows},
                                                         indent=2) + "\n")
     lines = [f"# Drafting during verification: hits in process ({machine()})", "", f"`{command}`", "",
-             f"SmolLM2 and SSM 0, tree {args.expansion} every step (no controller, no context lookup), greedy, "
+             f"SmolLM2 and {name}, tree {args.expansion} every step (no controller, no context lookup), greedy, "
              f"{args.max_new_tokens} new tokens; a hit: the step's tree was drafted ahead for the outcome of the "
              "step before; steps drafted ahead for: those after a step with a tree (not a request's first)", "",
              "| requests | outcomes drafted ahead | hit rate | hits / steps drafted ahead for | tokens per step | "
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {rate} | {r['hits']} / "
                      f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(rows, args.out.with_suffix(".png"), machine())
+    plot(rows, args.out.with_suffix(".png"), f"{name}, {machine()}")
     print("\n".join(lines))
 
 

@@ -21,6 +21,7 @@ from specinfer.tree import TokenTree
 from specinfer.verifier import Features, Verifier, VerifyRequest
 
 from .conftest import MODELS, save_random_llama
+from .test_dynamic_tree import paths
 from .test_sampling_exact import ALPHA, chi_square_pvalue, llama_exact
 
 LAYERS = [1, 4, 6]  # of the fixture LLM's 8
@@ -357,3 +358,55 @@ def test_features_cross_the_wire_bit_for_bit(dtype, bytes_per_value):
     assert (pb.start, pb.rows, pb.width, len(pb.data)) == (7, 5, 12, 5 * 12 * bytes_per_value)
     back = features_from_pb(pb, "features")
     assert back.start == 7 and back.rows.dtype == dtype and torch.equal(back.rows, f.rows)
+
+
+def dense_logits(head: EagleHead, feats: torch.Tensor, record: list[int], after: list[int]) -> list[torch.Tensor]:
+    """The head's logits along the chain `after` from the record's root, each row reading the output of the
+    one before (its own prediction of the LLM's features), by the training-time test's dense forward: the
+    root's, then each of `after`'s tokens'."""
+    tokens = torch.tensor([record + after + [0]])
+    padded = torch.cat([feats, feats.new_zeros(len(after) + 2, feats.shape[1])])[None]
+    with torch.no_grad():
+        outs = head.chains(padded, tokens, steps=len(after) + 1)
+    return [head.lm_logits(o[0, len(record) - 2][None])[0] for o in outs]
+
+
+@pytest.mark.parametrize("expansion", [[1, 1, 1], [2, 1]])
+def test_a_head_drafts_ahead_from_its_own_predicted_features(fixture_llm, head, expansion):
+    """The outcomes a head drafts ahead for are the likeliest by its own probabilities, and each one's tree is
+    what it grows below the outcome's bonus token with its own outputs standing in for the LLM's features of
+    the accepted path (which come only with the verdict): the dense training-time forward along the outcome's
+    tokens, greedy. Its tree sent is `draft`'s."""
+    record = PROMPTS[0] + [64, 65, 66]
+    feats = record_features(fixture_llm, record)
+    request = DraftRequest("r", record, expansion, features=[Features(0, feats)], ahead=4)
+    (tree,), later = FeatureSpeculator(head).draft_ahead([request])
+    (ahead,) = later()
+    assert paths(tree) == paths(FeatureSpeculator(head).draft([dataclasses.replace(request, ahead=0)])[0])
+    scored = []
+    for path in [()] + sorted(paths(tree)):
+        logits = dense_logits(head, feats, record, list(path))
+        logp = sum(logits[i].log_softmax(-1)[t].item() for i, t in enumerate(path))
+        children = {p[-1] for p in paths(tree) if len(p) == len(path) + 1 and p[:-1] == path}
+        best = logits[-1].log_softmax(-1).topk(4 + len(children))
+        scored += [(logp + q, path + (b,)) for b, q in zip(best.indices.tolist(), best.values.tolist()) if b not in children]
+    assert list(ahead) == [key for _, key in sorted(scored, key=lambda s: -s[0])[:4]]
+    for key, grown in ahead.items():
+        first = dense_logits(head, feats, record, list(key))[-1].topk(expansion[0]).indices.tolist()
+        assert sorted(p for p in paths(grown) if len(p) == 1) == sorted((t,) for t in first), key
+        chain = first[:1]  # down the likeliest children, by the dense forward
+        for _ in expansion[1:]:
+            chain.append(int(dense_logits(head, feats, record, list(key) + chain)[-1].argmax()))
+        assert tuple(chain) in paths(grown), key
+
+
+def test_greedy_output_drafting_ahead_with_a_head_is_the_llms_own(fixture_llm, head):
+    """A head drafts ahead for 16 outcomes of each tree: the LLM's tokens, and every step after the first was
+    drafted ahead for (a random head's outcomes seldom hit: the hits are measured on SmolLM2 with head-1)."""
+    reqs = [Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)]
+    plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate(reqs)
+    engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], draft_ahead=16)
+    spec = engine.generate(reqs)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+    stats = engine.engine.stats
+    assert stats.predraft_hits + stats.predraft_misses == sum(g.tree_steps for g in spec) - len(reqs) > 0
