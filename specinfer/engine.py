@@ -779,8 +779,9 @@ class SpeculativeEngine:
     def _may_follow(self, seqs: list[Sequence], trees: bool) -> bool:
         """Whether the next step of these requests may leave before this one's outcome (`outcome_steps`):
         a step where every request verifies a tree of the drafters alone (no grammar, prediction or prompt
-        chunk, whose next steps need the answer) that needs no features (a head drafts from the LLM's)."""
-        return (self.outcome_steps and trees and not self.wants_features
+        chunk, whose next steps need the answer). A head's trees drafted ahead read its own outputs for the
+        features not known yet; each step still brings the LLM's features of its rows for its next draft."""
+        return (self.outcome_steps and trees
                 and not any(s.constraint is not None or s.prediction is not None for s in seqs))
 
     async def _follow(self, seqs: list[Sequence], plans: list[list[int]]) -> Following:
@@ -795,8 +796,9 @@ class SpeculativeEngine:
                 trees = {i: within(drafted[i][s.id][key], len(plan)) for i in by}
                 options.append((key, merged_trees(trees), trees))
             candidates.append(options)
-            checks.append(Check(s.id, [], s.length, TokenTree(), s.request.sampling, output_start=len(s.request.prompt),
-                                stop_ids=self._stop_ids(s.request), candidates=[(k, t) for k, t, _ in options]))
+            checks.append(Check(s.id, [], s.length, TokenTree(), s.request.sampling, self.wants_features,
+                                output_start=len(s.request.prompt), stop_ids=self._stop_ids(s.request),
+                                candidates=[(k, t) for k, t, _ in options]))
         sent = asyncio.ensure_future(self.verifier.verify(checks, [], follows=True))
         sent.add_done_callback(lambda c: c.cancelled() or c.exception())  # a dropped one's error is no news
         return Following(sent, list(seqs), [s.preemptions for s in seqs], plans, candidates)
@@ -816,6 +818,9 @@ class SpeculativeEngine:
         drafts = [Draft(s.id, s.record, plans[s.id], s.request.sampling, s.features, self.draft_ahead)
                   for s in live if s.id in hit]
         self.launched += [asyncio.ensure_future(d.draft(drafts)) for d in self.drafters if drafts]
+        for s in live:  # the feature drafters have had these (a drafter that fails loses them)
+            if s.id in hit:
+                s.features = []
         same = {s.id for s in batch if not s.done} == {s.id for s in live} == hit & {s.id for s in live}
         if live and same and self._may_follow(live, True):
             self.following = await self._follow(live, [plans[s.id] for s in live])
@@ -833,6 +838,8 @@ class SpeculativeEngine:
                 self.stats.predraft_misses += 1
                 continue
             _, tree, sources = options[v.candidate]
+            if v.features is not None:
+                s.features.append(v.features)
             self.stats.predraft_hits += 1
             out.append((s, self._commit(s, v, tree, sources, (), outcomes)))
         if self.controller is not None:

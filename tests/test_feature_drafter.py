@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specinfer.eagle import EagleHead, save_head
+from specinfer import feature_drafter
 from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel, ModelConfig
@@ -400,13 +401,47 @@ def test_a_head_drafts_ahead_from_its_own_predicted_features(fixture_llm, head, 
         assert tuple(chain) in paths(grown), key
 
 
-def test_greedy_output_drafting_ahead_with_a_head_is_the_llms_own(fixture_llm, head):
-    """A head drafts ahead for 16 outcomes of each tree: the LLM's tokens, and every step after the first was
-    drafted ahead for (a random head's outcomes seldom hit: the hits are measured on SmolLM2 with head-1)."""
-    reqs = [Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)]
-    plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate(reqs)
+@pytest.fixture(scope="module")
+def plain_and_narrow_head(fixture_llm, tmp_path_factory):
+    """The LLM's greedy tokens for PROMPTS, and a random head whose draft vocabulary is the tokens they hold: its
+    outcomes drafted ahead then hit now and then (a head over the whole vocabulary never does)."""
+    plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])
+    path = tmp_path_factory.mktemp("narrow")
+    write_random_head(path, fixture_llm.cfg, seed=0, scale=4.0, draft_vocab=sorted({t for g in plain for t in g.token_ids}))
+    return [g.token_ids for g in plain], EagleHead.from_pretrained(path, fixture_llm.cfg, fixture_llm.embed.weight)
+
+
+def test_greedy_output_drafting_ahead_with_a_head_is_the_llms_and_steps_hit(fixture_llm, plain_and_narrow_head):
+    """A head drafts ahead for 16 outcomes of each tree: the LLM's tokens, and steps whose outcome it had drafted a
+    tree for (before heads drafted ahead, none)."""
+    plain, head = plain_and_narrow_head
     engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], draft_ahead=16)
-    spec = engine.generate(reqs)
-    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
-    stats = engine.engine.stats
-    assert stats.predraft_hits + stats.predraft_misses == sum(g.tree_steps for g in spec) - len(reqs) > 0
+    assert [g.token_ids for g in engine.generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])] == plain
+    assert engine.engine.stats.predraft_hits > 0
+
+
+def test_outcome_steps_with_a_head_give_the_llms_tokens_and_the_head_every_positions_features(
+        fixture_llm, plain_and_narrow_head, monkeypatch):
+    """Steps sent before the outcome of the one before, drafted ahead by a head: the LLM's tokens, and the head is
+    told the LLM's features of every committed position (a gap would be fed zeros), the steps that followed an
+    outcome bringing theirs."""
+    plain, head = plain_and_narrow_head
+    gaps = []
+    add = feature_drafter._Known.add
+
+    def told(known, start, rows):
+        if known.rows is not None and start > known.start + len(known.rows):
+            gaps.append(start)
+        add(known, start, rows)
+
+    monkeypatch.setattr(feature_drafter._Known, "add", told)
+    engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], draft_ahead=16, outcome_steps=True)
+    followed, verify = [], engine.engine.verifier.verify
+
+    async def counted(checks, release, follows=False):
+        followed.append(follows)
+        return await verify(checks, release, follows)
+
+    engine.engine.verifier.verify = counted
+    assert [g.token_ids for g in engine.generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])] == plain
+    assert any(followed) and engine.engine.stats.predraft_hits > 0 and not gaps
