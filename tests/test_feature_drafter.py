@@ -408,13 +408,13 @@ def plain_and_narrow_head(fixture_llm, tmp_path_factory):
     plain = Engine(fixture_llm, mode=Mode.INCREMENTAL).generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])
     path = tmp_path_factory.mktemp("narrow")
     write_random_head(path, fixture_llm.cfg, seed=0, scale=4.0, draft_vocab=sorted({t for g in plain for t in g.token_ids}))
-    return [g.token_ids for g in plain], EagleHead.from_pretrained(path, fixture_llm.cfg, fixture_llm.embed.weight)
+    return [g.token_ids for g in plain], EagleHead.from_pretrained(path, fixture_llm.cfg, fixture_llm.embed.weight), path
 
 
 def test_greedy_output_drafting_ahead_with_a_head_is_the_llms_and_steps_hit(fixture_llm, plain_and_narrow_head):
     """A head drafts ahead for 16 outcomes of each tree: the LLM's tokens, and steps whose outcome it had drafted a
     tree for (before heads drafted ahead, none)."""
-    plain, head = plain_and_narrow_head
+    plain, head, _ = plain_and_narrow_head
     engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], draft_ahead=16)
     assert [g.token_ids for g in engine.generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])] == plain
     assert engine.engine.stats.predraft_hits > 0
@@ -425,7 +425,7 @@ def test_outcome_steps_with_a_head_give_the_llms_tokens_and_the_head_every_posit
     """Steps sent before the outcome of the one before, drafted ahead by a head: the LLM's tokens, and the head is
     told the LLM's features of every committed position (a gap would be fed zeros), the steps that followed an
     outcome bringing theirs."""
-    plain, head = plain_and_narrow_head
+    plain, head, _ = plain_and_narrow_head
     gaps = []
     add = feature_drafter._Known.add
 
@@ -445,3 +445,22 @@ def test_outcome_steps_with_a_head_give_the_llms_tokens_and_the_head_every_posit
     engine.engine.verifier.verify = counted
     assert [g.token_ids for g in engine.generate([Request(p, 24, id=str(i)) for i, p in enumerate(PROMPTS)])] == plain
     assert any(followed) and engine.engine.stats.predraft_hits > 0 and not gaps
+
+
+def test_outcome_steps_through_the_services_with_a_head_give_the_llms_tokens(plain_and_narrow_head):
+    """Real services, a head's speculator alone, `--draft-ahead 16 --outcome-steps`: the LLM's greedy tokens, and
+    steps that took the tree the head drafted for their outcome, their features asked of the verifier."""
+    from specinfer_rpc.client import generate_all
+    from specinfer_rpc.launch import launch
+
+    from .test_metrics import scrape, total
+
+    plain, _, path = plain_and_narrow_head
+    system = launch(MODELS / "llm", [], 0, port=0, heads=[path], manager_args=["--draft-ahead", "16", "--outcome-steps"])
+    try:
+        streams = generate_all(system.manager.address, [Request(p, 24) for p in PROMPTS], "2,1,1")
+        m, v = scrape(system.manager.metrics), scrape(system.by_name("verifier").metrics)
+    finally:
+        system.stop()
+    assert [list(s.token_ids) for s in streams] == plain
+    assert total(m, "specinfer_predraft_hits_total") > 0 and total(v, "specinfer_verifier_idle_seconds_count", next="hit") > 0
