@@ -45,9 +45,9 @@ drafting ahead is one of its choices, priced by the hit rate and what the steps 
 
 Steps that leave before the outcome (`outcome_steps`, the manager's --outcome-steps): where every request of
 a step verifies a tree of the drafters, which draft ahead, the next step leaves as soon as their trees drafted
-ahead are in, before this step's answer, with those trees as each request's candidates (Check.candidates).
-The verifier verifies the tree drafted for the outcome its step before emitted (Verified.candidate), or skips
-a request none was drafted for; the drafters are told the outcome as the answer comes, and draft ahead again
+ahead are in, before this step's answer, with those trees as each request's candidates (Check.candidates):
+for each outcome some drafter drafted ahead for, the trees drafted for it, merged. The verifier verifies the
+candidate of the outcome its step before emitted (Verified.candidate), or skips a request none was drafted for; the drafters are told the outcome as the answer comes, and draft ahead again
 while the step runs, so the chain goes on while the batch holds. A skipped request, or one admitted, cancelled
 or preempted, ends the chain: the next round drafts as before. So between two steps of a hit the verifier
 waits for no hop.
@@ -375,10 +375,13 @@ class Stats:
     # own time above, and the hops to them and back (RPC, queues, threads); the rest is the engine's own work
     verify_wait_s: float = 0.0
     draft_wait_s: float = 0.0
-    # drafting during verification, per request and step: the drafters' trees all drafted ahead for the
-    # outcome, or some drafter drafted ahead for the request's last step and missed it
+    # drafting during verification, per request and step: a hit, its tree was drafted ahead for the outcome of
+    # its last step (a step after the answer: by every drafter asked; one sent before the outcome: by some), or a
+    # miss, some drafter drafted ahead for that step and not for its outcome; of the misses after the answer,
+    # those some drafter drafted the outcome for (waiting for the others' trees; an outcome step takes them)
     predraft_hits: int = 0
     predraft_misses: int = 0
+    predraft_partial: int = 0
 
     def add(self, batch_size: int, levels: int, busy_s: float, verify_s: float, draft_s: float,
             grammar_s: float = 0.0, verify_wait_s: float = 0.0, draft_wait_s: float = 0.0) -> None:
@@ -786,14 +789,15 @@ class SpeculativeEngine:
 
     async def _follow(self, seqs: list[Sequence], plans: list[list[int]]) -> Following:
         """Once the drafters' trees drafted ahead for the step in flight are in (through the services, during
-        that step), the next step with them as candidates (a request none was drafted for: a plain step)."""
+        that step), the next step with them as candidates: for each outcome some drafter drafted ahead for, the
+        trees drafted for it merged (a drafter that missed it only costs its tree: without a candidate the
+        verifier would skip the request, and its step would wait for every drafter)."""
         drafted, candidates, checks = await self._drafted_ahead(), [], []
         for s, plan in zip(seqs, plans):
-            by = [i for i in range(len(self.drafters)) if s.id in drafted[i]]
-            keys = set.intersection(*(set(drafted[i][s.id]) for i in by)) if by else set()
+            ahead = [drafted[i].get(s.id, {}) for i in range(len(self.drafters))]
             options = []
-            for key in sorted(keys):
-                trees = {i: within(drafted[i][s.id][key], len(plan)) for i in by}
+            for key in sorted(set().union(*ahead)):  # an outcome some drafter drafted for: the trees drafted for it
+                trees = {i: within(a[key], len(plan)) for i, a in enumerate(ahead) if key in a}
                 options.append((key, merged_trees(trees), trees))
             candidates.append(options)
             checks.append(Check(s.id, [], s.length, TokenTree(), s.request.sampling, self.wants_features,
@@ -1189,6 +1193,7 @@ class SpeculativeEngine:
         tried = {rid for rid, by in asked.items() if any(rid in ahead[i] for i in by)}
         self.stats.predraft_hits += len(hit)
         self.stats.predraft_misses += len(tried - hit)
+        self.stats.predraft_partial += sum(any(rid in hits[i] for i in asked[rid]) for rid in tried - hit)
         return hit, tried
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:

@@ -1,7 +1,8 @@
 """How often drafting during verification hits (issue 95): in process, the default LLM and its SSM (or head) on
 a fixed tree, greedy, each kind of held-out request (code prompts, chat requests, general requests) decoded with the
 drafter drafting ahead for N outcomes of each step, N = 0 (drafting after each verdict) and the N given: the
-share of request steps whose tree was drafted ahead for the outcome the step before emitted, tokens per step,
+share of request steps whose tree was drafted ahead for the outcome the step before emitted (with two drafters: by
+both, and by either, whose tree a step sent before the outcome takes), tokens per step,
 and whether the tokens are those of N = 0 (they must be), with a plot of the hit rate against N. In process the drafter shares the verifier's
 device, so time is not what this measures: through the services, `python -m specinfer_bench.services
 --configs '...@predraft'`. A head drafts ahead from its own outputs where the LLM's features of the accepted path
@@ -10,6 +11,7 @@ N = 0 say what that costs it.
 
     python -m specinfer_bench.predraft --out bench/results/predraft_hits_cpu
     python -m specinfer_bench.predraft --drafter head --out bench/results/predraft_head_cpu
+    python -m specinfer_bench.predraft --drafter both --out bench/results/predraft_both_cpu
 """
 
 from __future__ import annotations
@@ -44,15 +46,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--outcomes", default="1,2,4,8", help="N: outcomes drafted ahead per step, comma-separated")
     ap.add_argument("--expansion", default="2,1,1")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--drafter", choices=["ssm", "head"], default="ssm", help="SSM 0, or the shipped head alone")
+    ap.add_argument("--drafter", choices=["ssm", "head", "both"], default="ssm",
+                    help="SSM 0, the shipped head alone, or both (the manager's default drafters)")
     ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
     llm = LlamaModel.from_pretrained(DEFAULT_LLM)
-    if args.drafter == "ssm":
-        drafters, name = {"ssms": [LlamaModel.from_pretrained(default_ssms()[0])]}, "SSM 0"
-    else:
-        path = default_heads()[0]
-        drafters, name = {"ssms": [], "heads": [EagleHead.from_pretrained(path, llm.cfg, llm.embed.weight)]}, path.name
+    path = default_heads()[0]
+    ssms = [LlamaModel.from_pretrained(default_ssms()[0])] if args.drafter != "head" else []
+    heads = [EagleHead.from_pretrained(path, llm.cfg, llm.embed.weight)] if args.drafter != "ssm" else []
+    drafters = {"ssms": ssms, "heads": heads}
+    name = {"ssm": "SSM 0", "head": path.name, "both": f"SSM 0 and {path.name}"}[args.drafter]
     expansion, outcomes = [int(k) for k in args.expansion.split(",")], [int(n) for n in args.outcomes.split(",")]
     rows = []
     for kind, records in tqdm(kinds().items(), desc="kinds"):
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
             tried = stats.predraft_hits + stats.predraft_misses
             rows.append({"kind": kind, "requests": len(requests), "outcomes": n, "hits": stats.predraft_hits,
                          "drafted_ahead_steps": tried, "hit_rate": round(stats.predraft_hits / tried, 3) if tried else None,
+                         "either_rate": (round((stats.predraft_hits + stats.predraft_partial) / tried, 3)
+                                         if tried and args.drafter == "both" else None),
                          "tokens_per_step": round(sum(map(len, tokens)) / sum(g.steps for g in gens), 3),
                          "tokens_as_without": tokens == reference})
     command = command_line("python -m specinfer_bench.predraft", argv)
@@ -76,12 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"# Drafting during verification: hits in process ({machine()})", "", f"`{command}`", "",
              f"SmolLM2 and {name}, tree {args.expansion} every step (no controller, no context lookup), greedy, "
              f"{args.max_new_tokens} new tokens; a hit: the step's tree was drafted ahead for the outcome of the "
-             "step before; steps drafted ahead for: those after a step with a tree (not a request's first)", "",
-             "| requests | outcomes drafted ahead | hit rate | hits / steps drafted ahead for | tokens per step | "
-             "tokens as drafting after each verdict |", "| --- | --- | --- | --- | --- | --- |"]
+             "step before" + (" by both drafters (either: by one of them at least, the tree a step sent before the "
+                              "outcome takes)" if args.drafter == "both" else "")
+             + "; steps drafted ahead for: those after a step with a tree (not a request's first)", "",
+             "| requests | outcomes drafted ahead | hit rate | " + ("either's | " if args.drafter == "both" else "")
+             + "hits / steps drafted ahead for | tokens per step | tokens as drafting after each verdict |",
+             "| --- " * (7 if args.drafter == "both" else 6) + "|"]
+    percent = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     for r in rows:
-        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
-        lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {rate} | {r['hits']} / "
+        either = f"{percent(r['either_rate'])} | " if args.drafter == "both" else ""
+        lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {percent(r['hit_rate'])} | {either}{r['hits']} / "
                      f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(rows, args.out.with_suffix(".png"), f"{name}, {machine()}")
@@ -94,7 +103,10 @@ def plot(rows: list[dict], path: Path, machine_text: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind and r["hit_rate"] is not None]
-        ax.plot([r["outcomes"] for r in mine], [100 * r["hit_rate"] for r in mine], marker="o", label=kind)
+        line, = ax.plot([r["outcomes"] for r in mine], [100 * r["hit_rate"] for r in mine], marker="o", label=kind)
+        if mine and mine[0]["either_rate"] is not None:
+            ax.plot([r["outcomes"] for r in mine], [100 * r["either_rate"] for r in mine], marker="o", linestyle=":",
+                    color=line.get_color(), label=f"{kind}: either drafter's tree")
     ax.axhline(100 * HIT_GOAL, linestyle="--", color="grey", linewidth=1, label="issue 95's goal (code, chat)")
     ax.set_xscale("log", base=2)
     save_panel(fig, ax, path, f"drafting during verification: hit rate\n{machine_text}", "outcomes drafted ahead per step",

@@ -447,6 +447,32 @@ def test_outcome_steps_with_a_head_give_the_llms_tokens_and_the_head_every_posit
     assert any(followed) and engine.engine.stats.predraft_hits > 0 and not gaps
 
 
+def test_an_outcome_the_head_missed_waits_for_it_after_the_answer_and_takes_the_ssms_tree_before(
+        fixture_llm, head, plain_and_narrow_head):
+    """SSM 0 and a head that never drafts the outcome (random, over the whole vocabulary), one stream at a time. After
+    the answer, a step waits for the head's tree: no hits, but the SSM's drafted outcomes are counted (the bench's
+    "either" rate). A step sent before the outcome of the one before takes an outcome the SSM drafted ahead for with
+    its tree alone, so steps hit though the head missed every one (with candidates only where every drafter drafted
+    ahead, none would). The tokens are the LLM's."""
+    plain, _, _ = plain_and_narrow_head
+    ssm = LlamaModel.from_pretrained(MODELS / "ssm-0")
+    for outcome_steps in (False, True):
+        engine = Engine(fixture_llm, [ssm], Mode.TREE, [2, 1, 1], heads=[head], draft_ahead=16, outcome_steps=outcome_steps)
+        taken, commit = [], engine.engine._commit
+
+        def kept(s, v, tree, sources, *rest):
+            taken.append(sorted(sources))
+            return commit(s, v, tree, sources, *rest)
+
+        engine.engine._commit = kept
+        assert [engine.generate([Request(p, 24, id=str(i))])[0].token_ids for i, p in enumerate(PROMPTS)] == plain
+        stats = engine.engine.stats
+        if outcome_steps:
+            assert stats.predraft_hits > 0 and [0] in taken
+        else:
+            assert stats.predraft_hits == 0 and stats.predraft_partial > 0
+
+
 def test_outcome_steps_through_the_services_with_a_head_give_the_llms_tokens(plain_and_narrow_head):
     """Real services, a head's speculator alone, `--draft-ahead 16 --outcome-steps`: the LLM's greedy tokens, and
     steps that took the tree the head drafted for their outcome, their features asked of the verifier."""
