@@ -114,13 +114,17 @@ def _plan(batch: TreeBatch, G: int, hkv: int, d: int, dtype: torch.dtype) -> lis
         b_of, slot = (pos >= 0).nonzero(as_tuple=True)
         chunk = pos[b_of, slot] // CHUNK
         NC = int(chunk.max()) + 1
-        cell = b_of * NC + chunk  # the (request, chunk) each seen key goes to, keys already in slot order
+        cell = b_of * NC + chunk  # the (request, chunk) each seen key goes to, keys in slot order
         counts = torch.bincount(cell, minlength=B * NC)
         LC = max(8, -(-int(counts.max()) // 8) * 8)
         if LC > MAX_PLACES:
             raise ValueError(f"row-invariant tree attention: a chunk of {LC} keys, more than {MAX_PLACES} (a tree too "
                              f"large for one chunk)")
-        place = torch.arange(len(cell), device=device) - (counts.cumsum(0) - counts)[cell]
+        # each key's place in its chunk, in slot order: a chunk's keys need not be one run of slots (a tree
+        # across a chunk's end: a branch's deep nodes, past it, come before another branch's shallow ones)
+        by_cell = torch.argsort(cell, stable=True)
+        place = torch.empty_like(cell)
+        place[by_cell] = torch.arange(len(cell), device=device) - (counts.cumsum(0) - counts)[cell[by_cell]]
         slots = torch.zeros(B, NC * LC, dtype=torch.long, device=device)
         valid = torch.zeros(B, NC * LC, dtype=torch.bool, device=device)
         at = chunk * LC + place

@@ -64,15 +64,39 @@ def test_every_tree_node_in_a_batch_has_the_bits_of_its_path_as_a_prompt(llm, se
     """Requests with random prefixes, a bonus token or none, and trees of random shapes, in one step:
     each node's logits are bit for bit the last row of its path decoded as a prompt of its own."""
     rng = random.Random(seed)
+    shapes = [(rng.randrange(1, 150), random_parents(rng, rng.randrange(1, 40), rng.choice(["chain", "wide", "random"])))
+              for _ in range(4)]
+    assert_nodes_are_their_paths(llm, rng, shapes)
+
+
+# three branches from the tree's start, the second deep: a step of SmolLM2's with context lookup's chain merged in
+BRANCHES = [-1, 0, 1, -1, 3, 4, 4, 6, 7, 8, 9, 10, -1, 12, 13]
+
+
+@pytest.mark.parametrize("before_the_end", [2, 3, 6])
+def test_a_tree_whose_branches_cross_a_chunks_end_has_the_bits_of_its_paths(llm, before_the_end):
+    """A tree that starts `before_the_end` positions before a chunk of the invariant attention's keys ends
+    (invariant.CHUNK), so that its branches cross into the next chunk at different nodes, and the chunk's keys
+    are not one run of the request's slots: each node's logits are its path's as a prompt. (Before keys were
+    placed by their order in the chunk, the nodes past the end attended to other keys, and greedy speculation
+    with context lookup emitted other tokens than plain decoding.) Beside it, a request whose tree does the
+    same at the second chunk's end."""
+    rng = random.Random(before_the_end)
+    assert_nodes_are_their_paths(llm, rng, [(invariant.CHUNK - before_the_end, BRANCHES),
+                                            (2 * invariant.CHUNK - before_the_end, BRANCHES)])
+
+
+def assert_nodes_are_their_paths(llm: LlamaModel, rng: random.Random, shapes: list[tuple[int, list[int]]]) -> None:
+    """One step of requests of (prefix length, tree parents), random tokens, half of the prefixes already in the
+    cache but for their last token: each tree node's logits are bit for bit its path's as a prompt of its own."""
     V = llm.cfg.vocab_size
     pool = llm.new_pool(8192)
     items, paths = [], []
-    for _ in range(4):
-        prefix = [rng.randrange(V) for _ in range(rng.randrange(1, 150))]
+    for length, parents in shapes:
+        prefix = [rng.randrange(V) for _ in range(length)]
         cache = pool.new_cache()
         llm([StepInput(cache, prefix[:-1], [], [])]) if len(prefix) > 1 and rng.random() < 0.5 else None
         new = prefix[cache.length:]
-        parents = random_parents(rng, rng.randrange(1, 40), rng.choice(["chain", "wide", "random"]))
         tokens = [rng.randrange(V) for _ in parents]
         items.append(StepInput(cache, new, tokens, parents))
         for u in range(len(parents)):
