@@ -47,10 +47,10 @@ Steps that leave before the outcome (`outcome_steps`, the manager's --outcome-st
 a step verifies a tree of the drafters, which draft ahead, the next step leaves as soon as their trees drafted
 ahead are in, before this step's answer, with those trees as each request's candidates (Check.candidates):
 for each outcome some drafter drafted ahead for, the trees drafted for it, merged. The verifier verifies the
-candidate of the outcome its step before emitted (Verified.candidate), or skips a request none was drafted for; the drafters are told the outcome as the answer comes, and draft ahead again
-while the step runs, so the chain goes on while the batch holds. A skipped request, or one admitted, cancelled
-or preempted, ends the chain: the next round drafts as before. So between two steps of a hit the verifier
-waits for no hop.
+candidate of the outcome its step before emitted (Verified.candidate), or skips a request none was drafted
+for; the drafters are told the outcome as the answer comes, and draft ahead again while the step runs, so the
+chain goes on while the batch holds. A skipped request, or one admitted, cancelled or preempted, ends the
+chain: the next round drafts as before. So between two steps of a hit the verifier waits for no hop.
 
 Drafters and the verifier are interfaces, so the same iteration drives local models and remote
 services. Admission, streaming and metrics belong to whoever runs the engine. A drafter that fails

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="SSM 0, the shipped head alone, or both (the manager's default drafters)")
     ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
+    both = args.drafter == "both"
     llm = LlamaModel.from_pretrained(DEFAULT_LLM)
     path = default_heads()[0]
     ssms = [LlamaModel.from_pretrained(default_ssms()[0])] if args.drafter != "head" else []
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"kind": kind, "requests": len(requests), "outcomes": n, "hits": stats.predraft_hits,
                          "drafted_ahead_steps": tried, "hit_rate": round(stats.predraft_hits / tried, 3) if tried else None,
                          "either_rate": (round((stats.predraft_hits + stats.predraft_partial) / tried, 3)
-                                         if tried and args.drafter == "both" else None),
+                                         if tried and both else None),
                          "tokens_per_step": round(sum(map(len, tokens)) / sum(g.steps for g in gens), 3),
                          "tokens_as_without": tokens == reference})
     command = command_line("python -m specinfer_bench.predraft", argv)
@@ -82,14 +83,14 @@ def main(argv: list[str] | None = None) -> None:
              f"SmolLM2 and {name}, tree {args.expansion} every step (no controller, no context lookup), greedy, "
              f"{args.max_new_tokens} new tokens; a hit: the step's tree was drafted ahead for the outcome of the "
              "step before" + (" by both drafters (either: by one of them at least, the tree a step sent before the "
-                              "outcome takes)" if args.drafter == "both" else "")
+                              "outcome takes)" if both else "")
              + "; steps drafted ahead for: those after a step with a tree (not a request's first)", "",
-             "| requests | outcomes drafted ahead | hit rate | " + ("either's | " if args.drafter == "both" else "")
+             "| requests | outcomes drafted ahead | hit rate | " + ("either's | " if both else "")
              + "hits / steps drafted ahead for | tokens per step | tokens as drafting after each verdict |",
-             "| --- " * (7 if args.drafter == "both" else 6) + "|"]
+             "| --- " * (7 if both else 6) + "|"]
     percent = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     for r in rows:
-        either = f"{percent(r['either_rate'])} | " if args.drafter == "both" else ""
+        either = f"{percent(r['either_rate'])} | " if both else ""
         lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {percent(r['hit_rate'])} | {either}{r['hits']} / "
                      f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
