@@ -89,6 +89,8 @@ def test_a_tree_whose_branches_cross_a_chunks_end_has_the_bits_of_its_paths(llm,
 def assert_nodes_are_their_paths(llm: LlamaModel, rng: random.Random, shapes: list[tuple[int, list[int]]]) -> None:
     """One step of requests of (prefix length, tree parents), random tokens, half of the prefixes already in the
     cache but for their last token: each tree node's logits are bit for bit its path's as a prompt of its own."""
+    if refused(lambda: every_row(llm, [0, 1])):
+        return
     V = llm.cfg.vocab_size
     pool = llm.new_pool(8192)
     items, paths = [], []
@@ -105,8 +107,6 @@ def assert_nodes_are_their_paths(llm: LlamaModel, rng: random.Random, shapes: li
                 path.append(tokens[u])
                 u = parents[u]
             paths.append(prefix + path[::-1])
-    if refused(lambda: llm(items)):
-        return
     out = llm(items)
     node_rows = torch.cat([out[sum(it.n_rows for it in items[:i]) + 1: sum(it.n_rows for it in items[: i + 1])]
                            for i in range(len(items))])
