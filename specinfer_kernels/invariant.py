@@ -70,7 +70,7 @@ class Group(NamedTuple):
     MB: int
     # each (query, branching chunk it reaches): its query (a row of the batch) and (cell, query of the cell)
     pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    # each of their rows (query * G + head): its (request, chunk, row) in the shared cells and (cell, row) in its own
+    # each of their rows (query * G + head): its (request, chunk, row) in the shared cells, (cell, row) in its branch's
     at: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 

@@ -86,6 +86,14 @@ def test_a_tree_whose_branches_cross_a_chunks_end_has_the_bits_of_its_paths(llm,
                                             (2 * invariant.CHUNK - before_the_end, BRANCHES)])
 
 
+def test_a_tree_of_two_long_branches_across_two_chunks_has_the_bits_of_its_paths(llm):
+    """Two chains of 100 nodes from the tree's start, 28 positions before a chunk's end: both chunks they cross
+    branch, and each has a cell for each of the two paths, read by the nodes on it."""
+    chain = list(range(-1, 99))
+    two = chain + [-1] + [100 + p for p in chain[1:]]
+    assert_nodes_are_their_paths(llm, random.Random(5), [(invariant.CHUNK - 28, two)])
+
+
 def assert_nodes_are_their_paths(llm: LlamaModel, rng: random.Random, shapes: list[tuple[int, list[int]]]) -> None:
     """One step of requests of (prefix length, tree parents), random tokens, half of the prefixes already in the
     cache but for their last token: each tree node's logits are bit for bit its path's as a prompt of its own."""
