@@ -163,6 +163,7 @@ class Dense(nn.Module):
         self.weight = nn.Parameter(torch.empty(d_in, d_out))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.packed: torch.Tensor | None = None  # W in oneDNN's blocked layout (see `pack`)
+        self._one_row_differs: bool | None = None  # see `_pad_one_row`
 
     def pack(self) -> None:
         """On a CPU with oneDNN, in float32: also keep W in oneDNN's blocked layout and multiply by
@@ -181,7 +182,7 @@ class Dense(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
 
     def _apply(self, fn, recurse=True):
-        self.packed = None  # moved or cast: back to `weight` (pack again)
+        self.packed, self._one_row_differs = None, None  # moved or cast: back to `weight` (pack again)
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,14 +201,24 @@ class Dense(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         """x W by the packed weight, x of at most the last bucket's rows. With `row_invariant`, one row
-        goes with a zero row: oneDNN's one-row product sums in another order from 1,280 inputs on (on an
-        AVX-512 Xeon), and the pad costs one stream's plain step 5-7%, so only where bits must hold."""
+        goes with a zero row where `_pad_one_row` says so."""
         n = x.shape[0]
-        fewest = 2 if row_invariant() else 1
+        fewest = 2 if n == 1 and row_invariant() and self._pad_one_row() else 1
         rows = max(n, fewest) if n <= self.PACKED_ROWS else self.ROW_BUCKETS[bisect.bisect_left(self.ROW_BUCKETS, n)]
         if rows == n:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, rows - n)), self.packed, self.bias, "none", [], "")[:n]
+
+    def _pad_one_row(self) -> bool:
+        """Whether oneDNN's one-row product by this weight sums in another order than the same row beside a
+        zero row: on an AVX-512 Xeon from 1,280 inputs on, never on an AVX2 EPYC (where the pad would cost one
+        stream's plain step 5-10% for nothing). Checked on random rows, once per weight."""
+        if self._one_row_differs is None:
+            x = torch.randn(8, self.weight.shape[0], generator=torch.Generator().manual_seed(0))
+            product = lambda a: torch.ops.mkldnn._linear_pointwise(a, self.packed, None, "none", [], "")  # noqa: E731
+            self._one_row_differs = any(not torch.equal(product(row[None]), product(F.pad(row[None], (0, 0, 0, 1)))[:1])
+                                        for row in x)
+        return self._one_row_differs
 
 
 class RMSNorm(nn.Module):

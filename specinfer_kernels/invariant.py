@@ -17,13 +17,15 @@ order and a length fixed by the query's own context:
   (later positions) have weight exactly 0.
 - Scores: q @ K^T, a dot product of the head dimension per score, in products of CHUNK columns whose
   rows (a query's heads of one KV head, queries of a shared cell) come in multiples of ROWS.
-- Softmax without rescaling: the row's maximum over the keys it sees (exact whatever the order), exp.
+- Softmax without rescaling: the row's maximum over the keys it sees (exact whatever the order), exp of the
+  difference clamped at FLOOR (a weight below exp(-87), 1.6e-38, becomes 1.6e-38), times 0 where the row does
+  not see the place.
 - Per cell, P @ [V | 1]: the weighted sum and the weight's sum over the cell's CHUNK places in one
   product of CHUNK terms, the same places whether the query is in a plain step or a tree step.
 - The cells' partial sums added in chunk order, in float64, then divided.
 
 What this relies on of the BLAS (x @ W, MKL on x86), for products whose row count is a multiple of
-ROWS, of CHUNK columns or CHUNK terms: a row's result does not depend on the rows beside it, nor on
+ROWS, of CHUNK columns (q @ K^T, K^T a transposed view of the gathered keys) or CHUNK terms (P @ [V | 1]): a row's result does not depend on the rows beside it, nor on
 the product's row count or place in a batch of products; and of exp, that an element's result does not
 depend on where it falls in the tensor. Not relied on, since neither holds on every x86 (an AVX2 EPYC
 breaks both): that a product of fewer rows, or a sum of other length with zeros among its terms, gives
@@ -44,34 +46,30 @@ from .reference import live_groups
 
 CHUNK = 128  # canonical positions per cell: every P @ V product sums exactly CHUNK terms
 ROWS = 4  # a product's rows come in multiples of ROWS (an AVX2 MKL computes the rows of a smaller tail otherwise)
+FLOOR = -87.0  # exp's argument is clamped here: below, exp leaves its fast path (-inf: 2.5x slower on an AVX2 EPYC)
 
 
 class Cells(NamedTuple):
-    """Cells of CHUNK places read in one batched product: their keys' slots and which rows see which place."""
+    """Cells of CHUNK places read in one batched product, R rows each (a query's heads of one KV head, for
+    each query that reads the cell, padded to ROWS): their keys' slots, which rows see which place, and where
+    each row comes from and goes."""
 
     slots: torch.Tensor  # [cells * CHUNK] int64: each place's slot of the layer's pool, viewed [slots, Hkv, D]
-    hidden: torch.Tensor  # [..., R, CHUNK], broadcast over KV heads: -inf where a row does not see a place, else 0
-    values: torch.Tensor  # [..., Hkv, CHUNK, D + 1]: [..., :D] each layer's values in turn, [..., D] ones
+    hidden: torch.Tensor  # [cells, 1, R, CHUNK], broadcast over KV heads: -inf where a row does not see a place
+    seen: torch.Tensor  # the same: 1 where it sees it, else 0
+    values: torch.Tensor  # [cells, Hkv, CHUNK, D + 1]: [..., :D] each layer's values in turn, [..., D] ones
+    rows: torch.Tensor  # [cells, Hkv, R] int64: each row's query * Hq + head, or N * Hq for a padding row
+    chunk: torch.Tensor  # [cells, Hkv, R] int64: each cell's chunk, for each of its rows
 
 
 class Group(NamedTuple):
-    """Requests attended together: B of them, M queries each at most, R = M * G rows padded to ROWS, in NC
-    shared cells each (a cell that branches holds nothing there); and where a request's chunk branches, a
-    cell for each path through it (a leaf of the tree), read by MB queries at most."""
+    """Requests attended together, whose queries' contexts span NC chunks: a cell for each chunk of a
+    request where each position holds one key, read by all the request's queries; a cell for
+    each path through a chunk where a tree branches (a leaf's), read by the queries on it."""
 
-    B: int
-    M: int
-    R: int
     NC: int
-    rows: torch.Tensor  # the group's queries, in order
-    where: tuple[torch.Tensor, torch.Tensor]  # each query's (request in the group, row) index into [B, M]
-    shared: Cells  # B * NC cells; hidden [B, 1, NC, R, CHUNK]; values [B, Hkv, NC, CHUNK, D + 1]
-    branch: Cells | None  # X cells; hidden [X, 1, MB * G padded to ROWS, CHUNK]; values [X, Hkv, CHUNK, D + 1]
-    MB: int
-    # each (query, branching chunk it reaches): its query (a row of the batch) and (cell, query of the cell)
-    pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    # each of their rows (query * G + head): its (request, chunk, row) in the shared cells, (cell, row) in its branch's
-    at: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    cells: tuple[Cells, ...]
+    rows: torch.Tensor  # the group's queries' rows (query * Hq + head)
 
 
 def tree_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
@@ -82,60 +80,37 @@ def tree_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise RuntimeError(f"row-invariant tree attention is not available here: {broken}")
     n_q, hq, d = q.shape
     hkv = k_cache.shape[2]
-    G = hq // hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
     keys, values = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    queries = torch.nn.functional.pad((q * scale).view(n_q * hq, d), (0, 0, 0, 1))  # the last: padding rows' zeros
     out = torch.zeros_like(q)
-    for g in batch.derived(("invariant", G, hkv, d, q.dtype), lambda: _plan(batch, G, hkv, d, q.dtype)):
-        B, NC, R = g.B, g.NC, g.R
-        qp = q.new_zeros(B, g.M, hq, d)
-        qp[g.where] = q[g.rows] * scale
-        qp = qp.view(B, g.M, hkv, G, d).transpose(1, 2).reshape(B, hkv, 1, g.M * G, d)  # row = query * G + head
-        qp = torch.nn.functional.pad(qp, (0, 0, 0, R - g.M * G))
-        s = torch.matmul(qp, _cell_keys(keys, g.shared, (B, NC))).add_(g.shared.hidden)  # [B, Hkv, NC, R, CHUNK]
-        top = s.amax(4).amax(2)  # [B, Hkv, R]: -inf for a row that sees no shared place
-        if g.branch is not None:
-            X, RO = g.branch.hidden.shape[0], g.branch.hidden.shape[-2]
-            query, cell, rank = g.pairs
-            qb = q.new_zeros(X, g.MB, hq, d)
-            qb[cell, rank] = q[query] * scale
-            qb = qb.view(X, g.MB, hkv, G, d).transpose(1, 2).reshape(X, hkv, g.MB * G, d)
-            qb = torch.nn.functional.pad(qb, (0, 0, 0, RO - g.MB * G))
-            sb = torch.matmul(qb, _cell_keys(keys, g.branch, (X,))).add_(g.branch.hidden)  # [X, Hkv, RO, CHUNK]
-            b, c, r, x, xr = g.at
-            branch_top = sb.amax(3)  # [X, Hkv, RO]
-            flat = top.transpose(1, 2).contiguous().view(B * R, hkv)  # a row's maximum over its branch cells too
-            flat.scatter_reduce_(0, (b * R + r)[:, None].expand(-1, hkv), branch_top.transpose(1, 2)[x, xr], "amax")
-            branch_top.transpose(1, 2)[x, xr] = flat[b * R + r]
-            top = flat.view(B, R, hkv).transpose(1, 2)
-            parts_branch = torch.matmul(sb.sub_(branch_top[..., None]).exp_(), _cell_values(values, g.branch, (X,)))
-        p = s.sub_(top[:, :, None, :, None]).exp_()
-        parts = torch.matmul(p, _cell_values(values, g.shared, (B, NC)))  # [B, Hkv, NC, R, D + 1]
-        if g.branch is not None:  # a branching chunk's rows in its shared cell saw nothing there: exact zeros, replaced
-            parts.permute(0, 2, 3, 1, 4)[b, c, r] = parts_branch.transpose(1, 2)[x, xr]
-        total = parts[:, :, 0].double()
-        for c in range(1, NC):  # in chunk order; a chunk a row does not reach adds exact zeros
-            total += parts[:, :, c]
+    for g in batch.derived(("invariant", hq // hkv, hkv, d, q.dtype), lambda: _plan(batch, hq // hkv, hkv, d, q.dtype)):
+        scores = [torch.matmul(queries[c.rows], _cell_keys(keys, c).mT).add_(c.hidden) for c in g.cells]
+        top = q.new_full((n_q * hq + 1,), -math.inf)  # each row's maximum over the places it sees, in all its cells
+        for s, c in zip(scores, g.cells):
+            top.scatter_reduce_(0, c.rows.flatten(), s.amax(3).flatten(), "amax")
+        parts = q.new_zeros(g.NC, n_q * hq + 1, d + 1)  # a chunk a row does not reach adds exact zeros
+        for s, c in zip(scores, g.cells):
+            p = s.sub_(top[c.rows][..., None]).clamp_(min=FLOOR).exp_().mul_(c.seen)
+            parts[c.chunk, c.rows] = torch.matmul(p, _cell_values(values, c))
+        total = parts[0].double()
+        for i in range(1, g.NC):  # in chunk order
+            total += parts[i]
         total = total.to(q.dtype)
-        o = (total[..., :d] / total[..., d:])[:, :, : g.M * G]
-        o = o.view(B, hkv, g.M, G, d).transpose(1, 2).reshape(B, g.M, hq, d)
-        out[g.rows] = o[g.where]
+        out.view(-1, d)[g.rows] = (total[:, :d] / total[:, d:])[g.rows]
     return out
 
 
-def _cell_keys(keys: torch.Tensor, cells: Cells, lead: tuple[int, ...]) -> torch.Tensor:
-    """The cells' keys as [*lead, Hkv, D, CHUNK] (lead: the cells' shape; shared cells [B, NC] come as
-    [B, Hkv, NC, D, CHUNK])."""
+def _cell_keys(keys: torch.Tensor, cells: Cells) -> torch.Tensor:
+    """The cells' keys as [cells, Hkv, CHUNK, D]."""
     hkv, d = keys.shape[1:]
-    k = keys.index_select(0, cells.slots).view(*lead, CHUNK, hkv, d)
-    return (k.permute(0, 3, 1, 4, 2) if len(lead) == 2 else k.permute(0, 2, 3, 1)).contiguous()
+    return keys.index_select(0, cells.slots).view(-1, CHUNK, hkv, d).transpose(1, 2).contiguous()
 
 
-def _cell_values(values: torch.Tensor, cells: Cells, lead: tuple[int, ...]) -> torch.Tensor:
-    """The cells' [V | 1] in the plan's buffer, [*lead, Hkv, CHUNK, D + 1] (shared: [B, Hkv, NC, CHUNK, D + 1])."""
+def _cell_values(values: torch.Tensor, cells: Cells) -> torch.Tensor:
+    """The cells' [V | 1] in the plan's buffer, [cells, Hkv, CHUNK, D + 1]."""
     hkv, d = values.shape[1:]
-    v = values.index_select(0, cells.slots).view(*lead, CHUNK, hkv, d)
-    cells.values[..., :d].copy_(v.permute(0, 3, 1, 2, 4) if len(lead) == 2 else v.permute(0, 2, 1, 3))
+    cells.values[..., :d].copy_(values.index_select(0, cells.slots).view(-1, CHUNK, hkv, d).transpose(1, 2))
     return cells.values
 
 
@@ -147,7 +122,8 @@ def _plan(batch: TreeBatch, G: int, hkv: int, d: int, dtype: torch.dtype) -> lis
     if not groups:
         return []
     device = batch.causal.device
-    live, n_real = len(sizes), q_starts[len(sizes)]
+    live, n_real, hq = len(sizes), q_starts[len(sizes)], G * hkv
+    padding = len(batch.causal) * hq  # the row that padding rows read and write
     L = max(n for _, n in sizes)
     visible = batch.visible(L)[:n_real]  # [N, L]
     owner = batch.query_requests[:n_real].long()
@@ -166,63 +142,59 @@ def _plan(batch: TreeBatch, G: int, hkv: int, d: int, dtype: torch.dtype) -> lis
     pad = n_chunks * CHUNK - L
     branches = torch.nn.functional.pad((slots_at >= 0) & (slots_at != fewest), (0, pad))
     branches = branches.view(live, n_chunks, CHUNK).any(2)  # [live, n_chunks]
+    slots_at = torch.nn.functional.pad(slots_at, (0, pad), value=-1).view(live, n_chunks, CHUNK)
     tables = batch.block_tables.long()
+    heads = torch.arange(hq, device=device).view(hkv, G)
+    places = torch.arange(CHUNK, device=device)
 
-    def physical(request: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
-        return (tables[request, logical.clamp(min=0) // batch.block_size] * batch.block_size
-                + logical.clamp(min=0) % batch.block_size) * (logical >= 0)
+    def cells(request: torch.Tensor, chunk: torch.Tensor, logical: torch.Tensor, queries: torch.Tensor) -> Cells:
+        """Cells of `request`'s `chunk` with its keys' `logical` slots [cells, CHUNK], read by `queries`
+        [cells, Q] (-1: none); a query sees a place below its context's length."""
+        n, Q = queries.shape
+        R = -(-Q * G // ROWS) * ROWS
+        real = queries >= 0
+        rows = torch.where(real[:, None, :, None], queries[:, None, :, None] * hq + heads[None, :, None, :], padding)
+        rows = torch.nn.functional.pad(rows.view(n, hkv, Q * G), (0, R - Q * G), value=padding)
+        sees = (chunk[:, None, None] * CHUNK + places < length[queries.clamp(min=0)][..., None]) & (logical[:, None] >= 0)
+        real = torch.nn.functional.pad(real.repeat_interleave(G, 1), (0, R - Q * G))  # [cells, R]
+        mask = torch.nn.functional.pad(sees.repeat_interleave(G, 1), (0, 0, 0, R - Q * G)) & real[..., None]
+        mask[:, :, 0] |= ~real  # padding rows see place 0, so that nothing is NaN
+        physical = (tables[request[:, None], logical.clamp(min=0) // batch.block_size] * batch.block_size
+                    + logical.clamp(min=0) % batch.block_size) * (logical >= 0)
+        return Cells(physical.flatten(), _hidden(mask[:, None], dtype), mask[:, None].to(dtype),
+                     torch.ones(n, hkv, CHUNK, d + 1, dtype=dtype, device=device), rows,
+                     chunk[:, None, None].expand(n, hkv, R))
 
     out = []
     for members in groups:
         index = torch.tensor(members, device=device)
-        B, M = len(members), max(sizes[b][0] for b in members)
-        R = -(-M * G // ROWS) * ROWS
+        M = max(sizes[b][0] for b in members)
         rows = torch.cat([torch.arange(q_starts[b], q_starts[b + 1], device=device) for b in members])
         local = torch.cat([torch.full((sizes[b][0],), i, device=device) for i, b in enumerate(members)])
-        row = rows - torch.tensor([q_starts[b] for b in members], device=device)[local]
         NC = -(-int(length[rows].max()) // CHUNK)
-        # shared cells: [B, NC * CHUNK] places by position; a branching chunk's places hold nothing
-        at = torch.nn.functional.pad(slots_at[index], (0, pad), value=-1)[:, : NC * CHUNK]
-        split = branches[index, :NC].repeat_interleave(CHUNK, 1)
-        at = torch.where(split, -1, at)
-        sees = torch.arange(NC * CHUNK, device=device) < length[rows, None]  # [queries, places]
-        mask = torch.zeros(B, M, NC * CHUNK, dtype=torch.bool, device=device)
-        mask[local, row] = sees & (at[local] >= 0)
-        mask = mask[:, :, None].expand(B, M, G, NC * CHUNK).reshape(B, M * G, NC, CHUNK).transpose(1, 2)
-        mask = torch.nn.functional.pad(mask, (0, 0, 0, R - M * G))
-        real = torch.zeros(B, R, dtype=torch.bool, device=device)  # padding rows see place 0, so that nothing is NaN
-        real[:, : M * G] = (torch.arange(M, device=device) < torch.tensor(
-            [sizes[b][0] for b in members], device=device)[:, None]).repeat_interleave(G, 1)
-        mask[:, 0, :, 0] |= ~real
-        shared = Cells(physical(index[:, None].expand_as(at), at).flatten(), _hidden(mask[:, None], dtype),
-                       torch.ones(B, hkv, NC, CHUNK, d + 1, dtype=dtype, device=device))
-        # branch cells: a cell for each leaf's path through each branching chunk, read by the queries on it
+        queries = torch.full((len(members), M), -1, dtype=torch.long, device=device)  # each request's, in order
+        queries[local, rows - torch.tensor([q_starts[b] for b in members], device=device)[local]] = rows
+        # a cell for each chunk a request's queries reach where it does not branch
+        longest = torch.zeros(len(members), dtype=torch.long, device=device).scatter_reduce_(
+            0, local, length[rows], "amax")
+        reach = (torch.arange(NC, device=device) * CHUNK < longest[:, None]) & ~branches[index, :NC]
+        i, c = reach.nonzero(as_tuple=True)
+        kinds = [cells(index[i], c, slots_at[index[i], c], queries[i])]
+        # a cell for each leaf's path through each branching chunk, read by the queries on that path
         reach = branches[index[local], :NC] & (torch.arange(NC, device=device) * CHUNK < length[rows, None])
-        if not reach.any():
-            out.append(Group(B, M, R, NC, rows, (local, row), shared, None, 0, (), ()))
-            continue
-        inside = reach.any(1).nonzero().flatten()  # the group's queries that reach a branching chunk
-        leaf, rank = _leaves(path[rows[inside]], length[rows[inside]], local[inside])
-        pq, pc = reach[inside].nonzero(as_tuple=True)  # (query of `inside`, chunk)
-        cells, cell = torch.unique(leaf[pq] * NC + pc, return_inverse=True)
-        X, MB = len(cells), int(rank.max()) + 1
-        RO = -(-MB * G // ROWS) * ROWS
-        places = (cells % NC)[:, None] * CHUNK + torch.arange(CHUNK, device=device)
-        on_leaf = rows[inside[cells // NC]]
-        logical = torch.nn.functional.pad(path[on_leaf], (0, pad), value=-1).gather(1, places)  # [X, CHUNK]
-        query = rows[inside[pq]]
-        heads = torch.arange(G, device=device)
-        x, xr = cell.repeat_interleave(G), (rank[pq, None] * G + heads).flatten()
-        mask = torch.zeros(X, RO, CHUNK, dtype=torch.bool, device=device)
-        mask[x, xr] = (places[cell] < length[query, None]).repeat_interleave(G, 0)
-        real = torch.zeros(X, RO, dtype=torch.bool, device=device)
-        real[x, xr] = True
-        mask[:, :, 0] |= ~real
-        branch = Cells(physical(owner[on_leaf][:, None].expand_as(logical), logical).flatten(),
-                       _hidden(mask[:, None], dtype), torch.ones(X, hkv, CHUNK, d + 1, dtype=dtype, device=device))
-        at = (local[inside[pq]].repeat_interleave(G), pc.repeat_interleave(G),
-              (row[inside[pq], None] * G + heads).flatten(), x, xr)
-        out.append(Group(B, M, R, NC, rows, (local, row), shared, branch, MB, (query, cell, rank[pq]), at))
+        if reach.any():
+            inside = reach.any(1).nonzero().flatten()  # the group's queries that reach a branching chunk
+            leaf, rank = _leaves(path[rows[inside]], length[rows[inside]], local[inside])
+            pq, pc = reach[inside].nonzero(as_tuple=True)  # (query of `inside`, chunk)
+            found, cell = torch.unique(leaf[pq] * NC + pc, return_inverse=True)
+            readers = torch.full((len(found), int(rank.max()) + 1), -1, dtype=torch.long, device=device)
+            readers[cell, rank[pq]] = rows[inside[pq]]
+            on_leaf = rows[inside[found // NC]]
+            chunk = found % NC
+            logical = torch.nn.functional.pad(path[on_leaf], (0, pad), value=-1).view(-1, n_chunks, CHUNK)
+            kinds.append(cells(owner[on_leaf], chunk, logical[torch.arange(len(found), device=device), chunk], readers))
+        out.append(Group(NC, tuple(k for k in kinds if len(k.slots)),
+                         (rows[:, None] * hq + torch.arange(hq, device=device)).flatten()))
     return out
 
 
@@ -253,7 +225,7 @@ def blas_keeps_rows(device: str, dtype: torch.dtype) -> str | None:
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     for k, n in ((32, CHUNK), (64, CHUNK), (128, CHUNK), (CHUNK, 33), (CHUNK, 65), (CHUNK, 129)):  # q K^T, P [V | 1]
-        a, b = rand(12 * ROWS, k), rand(k, n)
+        a, b = rand(12 * ROWS, k), (rand(n, k).mT if n == CHUNK else rand(k, n))  # K^T: a transposed view
         alone = torch.stack([(torch.cat([row[None], a.new_zeros(ROWS - 1, k)]) @ b)[0] for row in a])
         if not all(torch.equal(a[:m] @ b, alone[:m]) for m in (ROWS, 2 * ROWS, 3 * ROWS, 12 * ROWS)):
             return "a row of a product gets other bits by the rows beside it"

@@ -187,7 +187,7 @@ def test_projections_are_x_times_w_and_each_row_its_own(tiny_pair, rows, d_in, i
     and up to the last bucket each row of a product is bit for bit that row multiplied alone, so a tree
     node's projections do not depend on the rows beside it. In the row-invariant mode every row count
     keeps a row's bits (slices of the last bucket beyond it: a prompt chunk's rows too), with 1,536
-    inputs as well (a one-row product is padded: oneDNN's sums in another order alone)."""
+    inputs as well (a one-row product is padded where oneDNN's sums in another order alone: Dense._pad_one_row)."""
     if invariant:
         monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "invariant")
     _, llm_dir, _ = tiny_pair
