@@ -25,8 +25,9 @@ order and a length fixed by the query's own context:
 - The cells' partial sums added in chunk order, in float64, then divided.
 
 What this relies on of the BLAS (x @ W, MKL on x86), for products whose row count is a multiple of
-ROWS, of CHUNK columns (q @ K^T, K^T a transposed view of the gathered keys) or CHUNK terms (P @ [V | 1]): a row's result does not depend on the rows beside it, nor on
-the product's row count or place in a batch of products; and of exp, that an element's result does not
+ROWS, of CHUNK columns (q @ K^T, K^T a transposed view of the gathered keys) or CHUNK terms
+(P @ [V | 1]): a row's result does not depend on the rows beside it, nor on the product's row count or
+place in a batch of products; and of exp, that an element's result does not
 depend on where it falls in the tensor. Not relied on, since neither holds on every x86 (an AVX2 EPYC
 breaks both): that a product of fewer rows, or a sum of other length with zeros among its terms, gives
 the same bits. `blas_keeps_rows` checks that once per process, and the first call refuses to run where
@@ -155,7 +156,8 @@ def _plan(batch: TreeBatch, G: int, hkv: int, d: int, dtype: torch.dtype) -> lis
         real = queries >= 0
         rows = torch.where(real[:, None, :, None], queries[:, None, :, None] * hq + heads[None, :, None, :], padding)
         rows = torch.nn.functional.pad(rows.view(n, hkv, Q * G), (0, R - Q * G), value=padding)
-        sees = (chunk[:, None, None] * CHUNK + places < length[queries.clamp(min=0)][..., None]) & (logical[:, None] >= 0)
+        sees = chunk[:, None, None] * CHUNK + places < length[queries.clamp(min=0)][..., None]
+        sees &= logical[:, None] >= 0
         real = torch.nn.functional.pad(real.repeat_interleave(G, 1), (0, R - Q * G))  # [cells, R]
         mask = torch.nn.functional.pad(sees.repeat_interleave(G, 1), (0, 0, 0, R - Q * G)) & real[..., None]
         mask[:, :, 0] |= ~real  # padding rows see place 0, so that nothing is NaN
