@@ -224,7 +224,12 @@ class RepliesFile:
     """Replies kept in a gzip file of JSON lines, one gzip member per batch appended: a first line
     {"meta": ...} (what the replies depend on: a file made otherwise is refused, naming the field), then
     {"id": request id, "reply": token ids} per reply. A member cut short (a run stopped mid-write) is
-    dropped, and the file truncated to the members before it."""
+    dropped, and the file truncated to the members before it. The decoding's "dtype" is kept per member
+    and may differ between them: greedy replies in bfloat16 and in float32 are both the LLM's, parting at
+    near-ties, and the head's targets are the LLM's distributions computed during training whatever the
+    sequence; a CPU without fast bfloat16 adds float32 replies to a file begun in bfloat16."""
+
+    PER_MEMBER = frozenset({"dtype"})
 
     def __init__(self, path: Path, meta: dict):
         self.path, self.meta = Path(path), meta
@@ -242,7 +247,7 @@ class RepliesFile:
                 break
             first = json.loads(lines[0])["meta"]
             for k, v in self.meta.items():
-                if first.get(k) != v:
+                if k not in self.PER_MEMBER and first.get(k) != v:
                     raise ValueError(f"{self.path}: replies made with {k}={first.get(k)}, not {v}: give the same "
                                      f"flags or another --replies")
             out.update((r["id"], r["reply"]) for r in map(json.loads, lines[1:]))

@@ -3,6 +3,7 @@ and the repository's request set."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import subprocess
@@ -114,7 +115,7 @@ def test_the_request_set_is_large_and_holds_no_heldout_request():
     assert not {text(r) for r in train} & heldout
 
 
-def test_replies_file_drops_a_batch_cut_short_and_refuses_other_flags(tmp_path):
+def test_replies_file_drops_a_batch_cut_short_refuses_other_flags_and_keeps_dtype_per_batch(tmp_path):
     store = RepliesFile(tmp_path / "r.jsonl.gz", {"llm": "x", "new_tokens": 8})
     store.append([("a", [1, 2]), ("b", [3])])
     whole = store.path.stat().st_size
@@ -128,6 +129,11 @@ def test_replies_file_drops_a_batch_cut_short_and_refuses_other_flags(tmp_path):
     assert store.read()["c"] == [4, 5, 6]
     with pytest.raises(ValueError, match="new_tokens=8, not 16"):
         RepliesFile(store.path, {"llm": "x", "new_tokens": 16}).read()
+    other = RepliesFile(store.path, {"llm": "x", "new_tokens": 8, "dtype": "torch.float32"})
+    other.append([("d", [7])])  # another dtype's batch joins the file: a member's dtype is its own
+    assert other.read() == {"a": [1, 2], "b": [3], "c": [4, 5, 6], "d": [7]}
+    assert {json.loads(line)["meta"].get("dtype") for line in gzip.open(store.path, "rt") if "meta" in line} == {
+        None, "torch.float32"}
 
 
 def test_replies_resume_where_a_run_stopped_and_equal_one_run(tmp_path):
