@@ -46,13 +46,7 @@ else  # the plumbing only: the configuration tests, the smallest grid, two tiny 
 fi
 
 if want tests; then
-    tests_part "${limits[0]}" "${tests[@]}"
-    rc=$?
-    if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 137 ]; then  # a failure, not the time limit: stop here
-        say "tests failed: the rest is skipped; the failure is in tests.log"
-        gpu_finish
-        exit 1
-    fi
+    tests_first "${limits[0]}" "${tests[@]}"
 fi
 if want table; then
     part table "${limits[1]}" python3 -m specinfer_bench.kernel "${table[@]}" --out "$work/kernel_$gpu"

@@ -25,6 +25,8 @@
 #   figures KIND PATH           the summary's lines of a part's result (specinfer_bench.gpu_summary)
 #   tests_part SECONDS TESTS... the part "tests": pytest stopped at the first failure (8 processes with xdist), its summary lines;
 #                               pytest's exit status (124 or 137: the time limit)
+#   tests_first SECONDS TESTS...  tests_part, and where the tests failed (not the time limit) the run ends there:
+#                               the rest skipped, the archive made (gpu_finish), exit status 1
 #   gpu_finish                  $work as one $out/NAME_$gpu.tar.gz, the summary beside it and printed
 #   gpu_tests_record            the record of the CUDA tests ($CUDA_TESTS) passing on a GPU, if bench/results/ holds one
 #   gpu_smollm2                 SmolLM2's package rebuilt from the carried parts (in /tmp/site, on PYTHONPATH), checked
@@ -193,6 +195,16 @@ tests_part() {  # SECONDS TESTS...
     rc=$?
     figures tests "$work/tests.log"
     return $rc
+}
+
+tests_first() {  # SECONDS TESTS...
+    tests_part "$@"
+    local rc=$?
+    if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 137 ]; then
+        say "tests failed: the rest is skipped; the failure is in tests.log"
+        gpu_finish
+        exit 1
+    fi
 }
 
 gpu_tests_record() {  # prints a summary a GPU run brought back (a bench/results/NAME_GPU_summary.txt, GPU not cpu)

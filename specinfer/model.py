@@ -176,7 +176,8 @@ class Dense(nn.Module):
         or with `row_invariant` slices of the last bucket (more ops as rows grow, so only where bits must
         hold). A row's result does not depend on the other rows of a oneDNN product, bit for bit, so a
         tree node's projections equal those of the same row computed alone, and with `row_invariant` a
-        prompt chunk's too. Elsewhere (CUDA, half precision) nothing changes. Costs one more copy of W."""
+        prompt chunk's too. Elsewhere (CUDA, half precision) nothing changes; with `row_invariant` on CUDA
+        every product is `invariant_matmul`'s (one tiling whatever the row count). Costs one more copy of W."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), None)
@@ -188,6 +189,9 @@ class Dense(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         if self.packed is None:
+            if row_invariant() and x.is_cuda:  # cuBLAS chooses its kernel by the row count: one tiling instead
+                from specinfer_kernels.invariant_matmul import invariant_matmul
+                return invariant_matmul(x, self.weight, self.bias)
             return self._plain(x)
         if n <= self.ROW_BUCKETS[-1]:
             return self._packed(x)

@@ -128,10 +128,12 @@ def sweep(path: Path, most: int = 12) -> list[str]:
 
 
 def divergence(path: Path) -> list[str]:
-    """Per dtype: the share of greedy tokens with speculation equal to those without."""
+    """Per dtype (and attention, where several ran): the share of greedy tokens with speculation equal to
+    those without, and tokens/s without and with it."""
     summary = json.loads(path.read_text())["summary"]
     return ["divergence: " + "; ".join(f"{d} {s['identical_share']:.1%} of tokens identical, {s['identical_prompts']} of "
-                                       f"{s['prompts']} prompts whole" for d, s in summary.items())]
+                                       f"{s['prompts']} prompts whole, {s.get('plain_tok_s')} / "
+                                       f"{s.get('speculative_tok_s')} tok/s off / on" for d, s in summary.items())]
 
 
 GOALS = {"vs_off_1": 2.5, "vs_off_64": 1.2, "vs_in_process_1": 1.1}  # issue 95's, on a 7B-class LLM

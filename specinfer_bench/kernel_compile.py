@@ -48,6 +48,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from specinfer_kernels.fused_triton import add_rms_norm_triton, rotary_qkv_triton, silu_mul_triton  # noqa: E402
+from specinfer_kernels.invariant import CHUNK  # noqa: E402
+from specinfer_kernels.invariant_matmul import invariant_matmul  # noqa: E402
 from specinfer_kernels.tree_attention_triton import TileConfig, default_config, tree_attention_triton  # noqa: E402
 
 from .attention_cases import GPU_AXES, attention_case  # noqa: E402
@@ -260,6 +262,17 @@ def fused_calls(shapes: Shapes, dtype) -> dict:
             "silu_mul": lambda: silu_mul_triton(gate_up)}
 
 
+def invariant_calls(shapes: Shapes, dtype) -> dict:
+    """The row-invariant mode's products (`invariant_matmul`): a projection at the model's widths in its
+    dtype, and the attention's two products of cells (float32 whatever the model's dtype)."""
+    x, w = torch.zeros(8, shapes.hidden, dtype=dtype), torch.zeros(shapes.hidden, 2 * shapes.intermediate, dtype=dtype)
+    q, k = torch.zeros(4, shapes.hkv, 8, shapes.d), torch.zeros(4, shapes.hkv, CHUNK, shapes.d)
+    p, v = torch.zeros(4, shapes.hkv, 8, CHUNK), torch.zeros(4, shapes.hkv, CHUNK, shapes.d + 1)
+    return {"invariant_projection": lambda: invariant_matmul(x, w),
+            "invariant_scores": lambda: invariant_matmul(q, k.mT),
+            "invariant_values": lambda: invariant_matmul(p, v)}
+
+
 def configs(which: str) -> list[TileConfig]:
     """default: the configuration serving uses; sweep: every combination of kernel_sweep's axes that
     compiles a kernel of its own (an axis of the grid alone, `TileConfig.LAUNCH_ONLY`, keeps its default)."""
@@ -274,12 +287,14 @@ def survey(arch: int, shapes: list[Shapes], dtypes: list[str], tile_configs: lis
     """Every launch variant of the given shapes, dtypes and configurations, compiled for `arch`: one row
     per variant (or per call that failed), labelled with what produced it."""
     jobs = [("attention", s, dt, c, cell) for s in shapes for dt in dtypes for c in tile_configs for cell in CELLS]
-    jobs += [("fused", s, dt, None, name) for s in shapes for dt in dtypes for name in fused_calls(s, DTYPES[dt])]
+    layer = {"fused": fused_calls, "invariant": invariant_calls}
+    jobs += [(kind, s, dt, None, name) for kind, calls in layer.items() for s in shapes for dt in dtypes
+             for name in calls(s, DTYPES[dt])]
     rows = []
     with offline(arch) as stand_in:
         for i, (kind, s, dt, config, what) in enumerate(jobs):
             call = (attention_call(dict(hq=s.hq, hkv=s.hkv, d=s.d), DTYPES[dt], config, what) if kind == "attention"
-                    else fused_calls(s, DTYPES[dt])[what])
+                    else layer[kind](s, DTYPES[dt])[what])
             label = {"shapes": s.name, "dtype": dt, "config": str(config) if config else "-",
                      "cell": "x".join(map(str, what)) if kind == "attention" else what}
             rows += [{**label, **row} for row in compiled_by(stand_in, call)]

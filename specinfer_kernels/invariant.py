@@ -31,7 +31,9 @@ place in a batch of products; and of exp, that an element's result does not
 depend on where it falls in the tensor. Not relied on, since neither holds on every x86 (an AVX2 EPYC
 breaks both): that a product of fewer rows, or a sum of other length with zeros among its terms, gives
 the same bits. `blas_keeps_rows` checks that once per process, and the first call refuses to run where
-it does not hold (`python -m specinfer_bench.invariance` probes more of it).
+it does not hold (`python -m specinfer_bench.invariance` probes more of it). On CUDA the products are
+`invariant_matmul.py`'s Triton kernel, one tiling whatever the shape (cuBLAS chooses by the shape), and the
+same check runs on them. Every sum is in float32 whatever q's dtype (bfloat16 on a GPU); the output is q's.
 """
 
 from __future__ import annotations
@@ -76,36 +78,47 @@ class Group(NamedTuple):
 def tree_attention_invariant(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: TreeBatch,
                              scale: float | None = None) -> torch.Tensor:
     """Same contract as `tree_attention_reference`: q [N, Hq, D]; k_cache, v_cache [n_blocks, block_size,
-    Hkv, D]. Returns [N, Hq, D] in q's dtype, each row computed as the module says."""
-    if (broken := blas_keeps_rows(q.device.type, q.dtype)) is not None:
+    Hkv, D]. Returns [N, Hq, D] in q's dtype, each row computed as the module says, in float32 whatever
+    q's dtype."""
+    f32 = torch.float32
+    if (broken := blas_keeps_rows(q.device.type, f32)) is not None:
         raise RuntimeError(f"row-invariant tree attention is not available here: {broken}")
     n_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
     keys, values = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    queries = torch.nn.functional.pad((q * scale).view(n_q * hq, d), (0, 0, 0, 1))  # the last: padding rows' zeros
+    queries = torch.nn.functional.pad((q.to(f32) * scale).view(n_q * hq, d), (0, 0, 0, 1))  # last: padding rows'
     out = torch.zeros_like(q)
-    for g in batch.derived(("invariant", hq // hkv, hkv, d, q.dtype), lambda: _plan(batch, hq // hkv, hkv, d, q.dtype)):
-        scores = [torch.matmul(queries[c.rows], _cell_keys(keys, c).mT).add_(c.hidden) for c in g.cells]
-        top = q.new_full((n_q * hq + 1,), -math.inf)  # each row's maximum over the places it sees, in all its cells
+    for g in batch.derived(("invariant", hq // hkv, hkv, d, f32), lambda: _plan(batch, hq // hkv, hkv, d, f32)):
+        scores = [_matmul(queries[c.rows], _cell_keys(keys, c).mT).add_(c.hidden) for c in g.cells]
+        top = queries.new_full((n_q * hq + 1,), -math.inf)  # each row's maximum over the places it sees, in all cells
         for s, c in zip(scores, g.cells):
             top.scatter_reduce_(0, c.rows.flatten(), s.amax(3).flatten(), "amax")
-        parts = q.new_zeros(g.NC, n_q * hq + 1, d + 1)  # a chunk a row does not reach adds exact zeros
+        parts = queries.new_zeros(g.NC, n_q * hq + 1, d + 1)  # a chunk a row does not reach adds exact zeros
         for s, c in zip(scores, g.cells):
             p = s.sub_(top[c.rows][..., None]).clamp_(min=FLOOR).exp_().mul_(c.seen)
-            parts[c.chunk, c.rows] = torch.matmul(p, _cell_values(values, c))
+            parts[c.chunk, c.rows] = _matmul(p, _cell_values(values, c))
         total = parts[0].double()
         for i in range(1, g.NC):  # in chunk order
             total += parts[i]
-        total = total.to(q.dtype)
-        out.view(-1, d)[g.rows] = (total[:, :d] / total[:, d:])[g.rows]
+        total = total.to(f32)
+        out.view(-1, d)[g.rows] = (total[:, :d] / total[:, d:])[g.rows].to(q.dtype)
     return out
 
 
 def _cell_keys(keys: torch.Tensor, cells: Cells) -> torch.Tensor:
-    """The cells' keys as [cells, Hkv, CHUNK, D]."""
+    """The cells' keys as [cells, Hkv, CHUNK, D], in float32."""
     hkv, d = keys.shape[1:]
-    return keys.index_select(0, cells.slots).view(-1, CHUNK, hkv, d).transpose(1, 2).contiguous()
+    return keys.index_select(0, cells.slots).view(-1, CHUNK, hkv, d).transpose(1, 2).to(torch.float32).contiguous()
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b by products that keep what the module relies on: on CUDA the Triton kernel of
+    `invariant_matmul.py` (cuBLAS picks its kernel by the shape), elsewhere the BLAS (`blas_keeps_rows`)."""
+    if a.is_cuda:
+        from .invariant_matmul import invariant_matmul
+        return invariant_matmul(a, b)
+    return torch.matmul(a, b)
 
 
 def _cell_values(values: torch.Tensor, cells: Cells) -> torch.Tensor:
@@ -228,11 +241,11 @@ def blas_keeps_rows(device: str, dtype: torch.dtype) -> str | None:
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
     for k, n in ((32, CHUNK), (64, CHUNK), (128, CHUNK), (CHUNK, 33), (CHUNK, 65), (CHUNK, 129)):  # q K^T, P [V | 1]
         a, b = rand(12 * ROWS, k), (rand(n, k).mT if n == CHUNK else rand(k, n))  # K^T: a transposed view
-        alone = torch.stack([(torch.cat([row[None], a.new_zeros(ROWS - 1, k)]) @ b)[0] for row in a])
-        if not all(torch.equal(a[:m] @ b, alone[:m]) for m in (ROWS, 2 * ROWS, 3 * ROWS, 12 * ROWS)):
+        alone = torch.stack([_matmul(torch.cat([row[None], a.new_zeros(ROWS - 1, k)]), b)[0] for row in a])
+        if not all(torch.equal(_matmul(a[:m], b), alone[:m]) for m in (ROWS, 2 * ROWS, 3 * ROWS, 12 * ROWS)):
             return "a row of a product gets other bits by the rows beside it"
         shifted = torch.stack([a.roll(i * ROWS + 1, 0) for i in range(5)])  # each row elsewhere in 5 products
-        if not torch.equal(torch.matmul(shifted, b), torch.stack([alone.roll(i * ROWS + 1, 0) for i in range(5)])):
+        if not torch.equal(_matmul(shifted, b), torch.stack([alone.roll(i * ROWS + 1, 0) for i in range(5)])):
             return "a row of a batched product gets other bits by its place"
     x = rand(1000) * 4
     whole = torch.exp(x)

@@ -340,17 +340,23 @@ def test_host_benchmark_times_every_role_batch_and_tree_through_the_buckets(tmp_
 
 
 def test_divergence_benchmark_finds_float32_identical(tmp_path):
-    """float32 greedy with speculation is identical to the same engine without it (the share is
-    computed, not assumed: the same comparison reports bf16's flips)."""
+    """float32 greedy with speculation is identical to the same engine without it, with the reference
+    attention and the row-invariant one (the share is computed, not assumed: the same comparison reports
+    bf16's flips), each run timed."""
     out = tmp_path / "divergence"
     proc = subprocess.run([sys.executable, "-m", "specinfer_bench.divergence", "--llm", str(MODELS / "llm"),
                            "--ssm", str(MODELS / "ssm-0"), "--prompt-file", str(MODELS / "heldout_prompts.jsonl"),
                            "--prompts", "3", "--max-new-tokens", "24", "--dtypes", "float32", "--device", "cpu",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--attentions", "reference,invariant", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["summary"]["float32"] == {"identical_prompts": 3, "prompts": 3, "identical_share": 1.0}
-    assert [r["tokens"] for r in data["rows"]] == [24] * 3
+    for attention in ("reference", "invariant"):
+        summary = data["summary"][f"{attention} float32"]
+        assert {k: summary[k] for k in ("identical_prompts", "prompts", "identical_share")} == {
+            "identical_prompts": 3, "prompts": 3, "identical_share": 1.0}
+        assert summary["plain_tok_s"] > 0 and summary["speculative_tok_s"] > 0
+    assert [r["tokens"] for r in data["rows"]] == [24] * 6
 
 
 def test_divergence_compares_position_by_position():

@@ -1,7 +1,8 @@
 """Row-invariant verification (SPECINFER_TREE_ATTENTION=invariant, `specinfer_kernels/invariant.py`): a
-position's float32 logits are the same bits however the step that computes it is shaped: a one-row
-step, a row of a prompt or of a chunk of it, a node of a tree of any shape, beside other requests. Where
-this CPU's BLAS does not keep what the backend relies on, the backend refuses to run, naming why."""
+position's logits are the same bits however the step that computes it is shaped: a one-row step, a row of
+a prompt or of a chunk of it, a node of a tree of any shape, beside other requests. float32 on a CPU;
+natively on CUDA in bfloat16 where a GPU is lent, the products then `invariant_matmul.py`'s. Where this
+CPU's BLAS does not keep what the backend relies on, the backend refuses to run, naming why."""
 
 from __future__ import annotations
 
@@ -17,19 +18,26 @@ from specinfer.model import LlamaModel, StepInput
 from specinfer.sampling import SamplingParams
 from specinfer_kernels import invariant
 from specinfer_kernels.invariant import blas_keeps_rows, tree_attention_invariant
+from specinfer_kernels.invariant_matmul import invariant_matmul
 from specinfer_kernels.reference import tree_attention_reference
+from specinfer_kernels.tree_attention_triton import TOLERANCE
 
 from .conftest import MODELS
 from .test_feature_drafter import write_random_head
-from .test_kernels import CASES, make_case, random_parents
+from .test_kernels import CASES, DEVICE, make_case, random_parents
 
-BROKEN = blas_keeps_rows("cpu", torch.float32)  # None where the backend runs
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the dtype each device serves in
+BROKEN = blas_keeps_rows(DEVICE, torch.float32)  # None where the backend runs (it sums in float32)
+
+
+def load(name: str) -> LlamaModel:
+    return LlamaModel.from_pretrained(MODELS / name, dtype=DTYPE, device=DEVICE)
 
 
 @pytest.fixture
 def llm(monkeypatch) -> LlamaModel:
     monkeypatch.setenv("SPECINFER_TREE_ATTENTION", "invariant")
-    return LlamaModel.from_pretrained(MODELS / "llm")
+    return load("llm")
 
 
 def refused(run) -> bool:
@@ -129,7 +137,7 @@ def test_greedy_speculation_at_16_streams_is_the_bits_of_plain_decoding_alone(ll
     if refused(lambda: plain.generate(requests[:1])):
         return
     alone = [plain.generate([r])[0] for r in requests]
-    ssms = [LlamaModel.from_pretrained(MODELS / name) for name in ("ssm-0", "ssm-1")]
+    ssms = [load(name) for name in ("ssm-0", "ssm-1")]
     together = Engine(llm, ssms=ssms, mode=Mode.MERGED, expansion=[2, 2, 1], lookup=True).generate(requests)
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
     assert sum(g.tree_steps for g in together) > 0
@@ -148,8 +156,8 @@ def test_greedy_and_seeded_outputs_with_every_drafter_and_the_prefix_cache_are_p
         return
     alone = [Engine(llm, mode=Mode.INCREMENTAL).generate([r])[0] for r in requests]
     write_random_head(tmp_path / "head", llm.cfg, seed=0, scale=4.0)
-    head = EagleHead.from_pretrained(tmp_path / "head", llm.cfg, llm.embed.weight)
-    ssms = [LlamaModel.from_pretrained(MODELS / name) for name in ("ssm-0", "ssm-1")]
+    head = EagleHead.from_pretrained(tmp_path / "head", llm.cfg, llm.embed.weight, DTYPE, DEVICE)
+    ssms = [load(name) for name in ("ssm-0", "ssm-1")]
     engine = Engine(llm, ssms=ssms, mode=Mode.MERGED, expansion=[2, 2, 1], lookup=True, heads=[head])
     engine.generate([replace(r, id="first " + r.id) for r in requests[:4]])  # leaves the prefixes in the cache
     cached, step = [], engine.verifier.step
@@ -162,11 +170,51 @@ def test_greedy_and_seeded_outputs_with_every_drafter_and_the_prefix_cache_are_p
 @pytest.mark.parametrize("case", list(CASES))
 def test_invariant_attention_is_attention(case):
     """The same attention as the reference (another order of its sums), on the kernel tests' batches."""
-    q, k, v, batch, _, _ = make_case(hash(case) % 1000, CASES[case], hkv=2, group=2, d=32, dtype=torch.float32)
+    q, k, v, batch, _, _ = make_case(hash(case) % 1000, CASES[case], hkv=2, group=2, d=32, dtype=DTYPE)
     if refused(lambda: tree_attention_invariant(q, k, v, batch)):
         return
     torch.testing.assert_close(tree_attention_invariant(q, k, v, batch), tree_attention_reference(q, k, v, batch),
-                               atol=2e-6, rtol=0)
+                               atol=2e-6 if DTYPE == torch.float32 else TOLERANCE[DTYPE], rtol=0)
+
+
+@pytest.mark.parametrize("case", ["ragged_batch", "long_prefix", "tree_256"])
+def test_invariant_attention_on_the_triton_products_is_attention(case, monkeypatch):
+    """The attention with every product `invariant_matmul`'s, as on CUDA (here under Triton's interpreter
+    on a CPU): its views of keys, values and rows reach the kernel as it reads them."""
+    monkeypatch.setattr(invariant, "_matmul", invariant_matmul)
+    q, k, v, batch, _, _ = make_case(hash(case) % 1000, CASES[case], hkv=2, group=2, d=32, dtype=DTYPE)
+    torch.testing.assert_close(tree_attention_invariant(q, k, v, batch), tree_attention_reference(q, k, v, batch),
+                               atol=2e-6 if DTYPE == torch.float32 else TOLERANCE[DTYPE], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_matmul_is_the_product(dtype):
+    """x W + b with a 2-D weight, a batch of products with a transposed view (q K^T), and a batch against one
+    shared matrix, each against PyTorch's product of the same values in float32."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    x, w, bias, q, k = rand(70, 96), rand(96, 80), rand(80), rand(3, 2, 9, 32), rand(3, 2, 130, 32)
+    tol = {"atol": 2e-5, "rtol": 0} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
+    f = lambda t: t.float()  # noqa: E731
+    torch.testing.assert_close(f(invariant_matmul(x, w, bias)), f(x) @ f(w) + f(bias), **tol)
+    torch.testing.assert_close(f(invariant_matmul(q, k.mT)), f(q) @ f(k).mT, **tol)
+    torch.testing.assert_close(f(invariant_matmul(q, k[0, 0].mT)), f(q) @ f(k[0, 0]).mT, **tol)
+    assert invariant_matmul(x[:0], w).shape == (0, 80)
+    with pytest.raises(TypeError, match="a is torch.float32, b is torch.float64"):
+        invariant_matmul(x.float(), w.double())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's CPU interpreter multiplies tiles in numpy, whose BLAS sums a "
+                                              "row by its place in the tile; the kernel's own property is the GPU's")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_of_invariant_matmul_has_its_bits_at_any_row_count_and_place(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, w = (torch.randn(*shape, generator=g).to(DEVICE, dtype) for shape in ((300, 576), (576, 1536)))
+    full = invariant_matmul(x, w)
+    for n in (1, 2, 7, 16, 64, 65, 129):
+        assert torch.equal(invariant_matmul(x[:n], w), full[:n])
+        assert torch.equal(invariant_matmul(x.roll(n, 0), w), full.roll(n, 0))
+    assert torch.equal(torch.cat([invariant_matmul(row[None], w) for row in x]), full)
 
 
 def test_where_the_blas_does_not_keep_rows_the_backend_refuses_naming_why(monkeypatch):

@@ -24,7 +24,9 @@ def test_every_kernel_of_the_cuda_path_compiles_for_hopper_fits_and_runs_its_dot
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "sm90.json").read_text())["rows"]
     assert [r for r in rows if "error" in r] == []
-    assert {r["kernel"] for r in rows} == ATTENTION | {"_add_rms_norm_kernel", "_rotary_qkv_kernel", "_silu_mul_kernel"}
+    assert {r["kernel"] for r in rows} == ATTENTION | {"_add_rms_norm_kernel", "_rotary_qkv_kernel", "_silu_mul_kernel",
+                                                       "_matmul_kernel"}  # (the row-invariant mode's products)
+    assert [r["mma"] for r in rows if r["cell"] == "invariant_projection"] == ["wgmma"]  # a bf16 projection's too
     # the figures are the cubins': registers a thread may hold, shared memory a block may use
     assert all(0 < r["regs"] <= 255 and r["fits"] for r in rows)
     attention = [r for r in rows if r["kernel"] in ATTENTION]
