@@ -32,7 +32,6 @@ continuations) is printed and written to --report.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import random
@@ -49,6 +48,7 @@ from train_fixtures import corpus_files, heldout_prompts, lookup_agrees, read, s
 
 from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir, default_llm_file, write_base  # noqa: E402
 from specinfer.generate import Engine, Mode, Request  # noqa: E402
+from specinfer.head_requests import chat_request, functions  # noqa: E402
 from specinfer.gguf_checkpoint import sha256  # noqa: E402
 from specinfer.model import DRAFT_VOCAB, LlamaModel  # noqa: E402
 from specinfer.prompts import prompt_ids  # noqa: E402
@@ -57,42 +57,6 @@ SHARED = ["model.embed_tokens.weight"]  # the tensors a drafter takes from the L
 
 
 # -------------------------------------------------------------------------------------- requests
-
-def functions(files: list[tuple[str, Path]], rng: random.Random, count: int) -> list[dict]:
-    """Up to `count` functions with a docstring from `files`: name, arguments, the docstring's first
-    sentence and the source."""
-    found = []
-    names = [f for f in files]
-    rng.shuffle(names)
-    for _, path in names:
-        if len(found) >= count:
-            break
-        text = read(path)
-        try:
-            tree = ast.parse(text)
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
-                doc = ast.get_docstring(node)
-                first = (doc or "").strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".")
-                if 20 <= len(first) <= 200:
-                    args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
-                    found.append({"name": node.name, "args": args, "summary": first,
-                                  "source": ast.get_source_segment(text, node) or ""})
-                    break  # one per file: variety
-    return found[:count]
-
-
-def chat_request(fn: dict, k: int) -> list[dict]:
-    """A user request made from a function: write it (even k) or explain it (odd k)."""
-    if k % 2 == 0:
-        summary = fn["summary"][0].lower() + fn["summary"][1:]
-        text = f"Write a Python function `{fn['name']}({fn['args']})` that does the following: {summary}."
-    else:
-        text = f"Explain what this Python function does:\n```python\n{fn['source'][:700]}\n```"
-    return [{"role": "user", "content": text}]
-
 
 def code_windows(tokenizer, files: list[tuple[str, Path]], rng: random.Random, count: int, length: int) -> list[list[int]]:
     """`count` windows of `length` tokens that start at a line of a random file."""

@@ -3,8 +3,9 @@ teach the head the LLM rather than one kind of text.
 
 Two sources:
   - the request set: general questions and tasks of every kind, code and code chat, made from templates
-    x topics x kinds, and bare code prompts: windows of the standard library's source for the LLM to
-    continue (`request_set`; shipped as models/requests/train.jsonl, `python -m
+    x topics x kinds, bare code prompts (windows of the standard library's source for the LLM to
+    continue) and requests to write or explain a function of the standard library, as the held-out chat
+    requests are made (`request_set`; shipped as models/requests/train.jsonl, `python -m
     specinfer.head_requests models/requests/train.jsonl`). Template-made, not written by people.
   - the LLM writing requests itself from a topic and a kind of request, sampled, one seed each
     (`written_requests`).
@@ -13,6 +14,7 @@ None of the topics is a subject of the held-out general requests (models/smollm2
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import sys
@@ -169,17 +171,23 @@ CODE_VERBS = [
 HELDOUT_EVERY = 20  # the corpus's held-out files: crc32 of the name % 20 == 0 (scripts/train_fixtures.py)
 
 
+def stdlib_train_files() -> list[tuple[str, Path]]:
+    """(name, path) of the standard library's Python files, tests and site-packages left out, and never a
+    file of the corpus's held-out split, where the held-out code prompts and chat requests come from."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    named = ((f"stdlib/{p.relative_to(stdlib)}", p) for p in sorted(stdlib.rglob("*.py")))
+    return [(name, p) for name, p in named if not {"test", "tests", "site-packages", "dist-packages"}
+            & set(p.relative_to(stdlib).parts[:-1]) and zlib.crc32(name.encode()) % HELDOUT_EVERY != 0]
+
+
 def code_windows(count: int, seed: int) -> list[str]:
     """`count` windows of 6-16 lines of the standard library's Python source (at most 800 characters),
-    each from a random line of a random file; never from a file of the corpus's held-out split, where the
-    held-out code prompts come from."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in sorted(stdlib.rglob("*.py")) if not {"test", "tests", "site-packages", "dist-packages"}
-             & set(p.relative_to(stdlib).parts[:-1]) and zlib.crc32(f"stdlib/{p.relative_to(stdlib)}".encode()) % HELDOUT_EVERY != 0]
+    each from a random line of a random file of `stdlib_train_files`."""
+    files = stdlib_train_files()
     rng, out = random.Random(seed), []
     while len(out) < count:
         try:
-            lines = rng.choice(files).read_text(encoding="utf-8").splitlines(keepends=True)
+            lines = rng.choice(files)[1].read_text(encoding="utf-8").splitlines(keepends=True)
         except (UnicodeDecodeError, OSError):
             continue
         if len(lines) < 40:
@@ -191,10 +199,50 @@ def code_windows(count: int, seed: int) -> list[str]:
     return out
 
 
+def functions(files: list[tuple[str, Path]], rng: random.Random, count: int, per_file: int = 1) -> list[dict]:
+    """Up to `count` functions with a docstring from `files` (name, path), at most `per_file` of a file
+    (variety), the files in an order drawn from `rng`: name, arguments, the docstring's first sentence and
+    the source."""
+    found = []
+    names = list(files)
+    rng.shuffle(names)
+    for _, path in names:
+        if len(found) >= count:
+            break
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        taken = 0
+        for node in ast.walk(tree):
+            if taken < per_file and isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                first = (doc or "").strip().split("\n\n")[0].replace("\n", " ").split(". ")[0].rstrip(".")
+                if 20 <= len(first) <= 200:
+                    args = ", ".join(a.arg for a in node.args.args if a.arg not in ("self", "cls"))
+                    found.append({"name": node.name, "args": args, "summary": first,
+                                  "source": ast.get_source_segment(text, node) or ""})
+                    taken += 1
+    return found[:count]
+
+
+def chat_request(fn: dict, k: int) -> list[dict]:
+    """A user request made from a function (`functions`): write it (even k) or explain it (odd k); the
+    held-out chat requests (models/smollm2/prompts.jsonl) are these, of the held-out files' functions."""
+    if k % 2 == 0:
+        summary = fn["summary"][0].lower() + fn["summary"][1:]
+        text = f"Write a Python function `{fn['name']}({fn['args']})` that does the following: {summary}."
+    else:
+        text = f"Explain what this Python function does:\n```python\n{fn['source'][:700]}\n```"
+    return [{"role": "user", "content": text}]
+
+
 def request_set(seed: int = 0, windows: int = 4000) -> list[dict]:
     """Every template with every topic (code: language x task; code chat: language x verb), sampled
-    pairs of topics to compare, and `windows` bare code prompts (`code_windows`), shuffled: prompt
-    records (`prompts.py`) with ids `kind-n`."""
+    pairs of topics to compare, and `windows` bare code prompts (`code_windows`), shuffled; then for each
+    function `functions` finds (two per file) a request to write it and one to explain it: prompt records
+    (`prompts.py`) with ids `kind-n`."""
     rng = random.Random(seed)
     general = [t.format(t=topic) for t in GENERAL for topic in TOPICS]
     general += [t.format(lang=lang, t=topic) for t in TRANSLATE for lang in LANGS for topic in TOPICS]
@@ -207,7 +255,11 @@ def request_set(seed: int = 0, windows: int = 4000) -> list[dict]:
         records += [{"id": f"{kind}-{n}", "messages": [{"role": "user", "content": text}]} for n, text in enumerate(texts)]
     records += [{"id": f"code-window-{n}", "prompt": text} for n, text in enumerate(dict.fromkeys(code_windows(windows, seed)))]
     rng.shuffle(records)
-    return records
+    files = stdlib_train_files()
+    asks = {chat_request(fn, k)[0]["content"]: None for fn in functions(files, random.Random(seed), 2 * len(files), 2)
+            for k in (0, 1)}
+    return records + [{"id": f"code-fn-{n}", "messages": [{"role": "user", "content": text}]}  # after: the rest keep
+                      for n, text in enumerate(asks)]  # their places
 
 
 def written_requests(engine: Engine, tokenizer, count: int, seed: int, batch: int = 64) -> list[dict]:

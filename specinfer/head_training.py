@@ -16,7 +16,8 @@ Terms:
 
 Training is EAGLE-3's training-time test (`EagleHead.chains`: from every position a chain of `ttt`
 drafts, each fed the head's own output; weights 1, 0.8, 0.64, ...), soft cross-entropy against the LLM's
-top-32 within the draft vocabulary (the tokens the replies use most), uniform noise on the features.
+top-32 within the draft vocabulary (the tokens the replies use most), uniform noise on the features;
+from a head made as `new_head` says, or from a trained head going on (`--init`, its vocabulary kept).
 Everything a run makes lives in the output directory: the head (the published layout `--head` loads),
 `agreement.json`, and `train/` (requests, replies, draft vocabulary, the training state, the loss per
 step), so that a rerun continues where a run stopped. The replies may live elsewhere (`--replies`, e.g. a
@@ -78,6 +79,7 @@ class HeadRun:
     replies: Path | None = None  # the replies' file (None: out/train/replies.jsonl.gz)
     generate_only: bool = False  # make the replies and stop
     draft_vocab: int = 8192
+    init: Path | None = None  # a trained head to go on from (its draft vocabulary and layers kept)
     ttt: int = 3
     epochs: float = 6.0
     steps: int = 0  # training steps (0: epochs over the replies)
@@ -121,9 +123,13 @@ def train_head(run: HeadRun) -> dict:
     loss_from = [0 if "prompt" in records[i] else len(prompts[j]) - 1 for j, i in enumerate(kept)]
     print(f"distillation set: {len(seqs)} sequences, {sum(map(len, seqs)):,} tokens "
           f"({sum(len(s) - f for s, f in zip(seqs, loss_from)):,} learnt)", flush=True)
-    vocab = draft_vocab(work / "draft_vocab.json", seqs, loss_from, llm.cfg.vocab_size, run.draft_vocab)
-    layers = default_layers(llm.cfg.num_layers)
-    head = new_head(llm, vocab, layers).to(device)
+    if run.init is not None:
+        start = EagleHead.from_pretrained(run.init, llm.cfg, llm.embed.weight)
+        vocab, layers = start.vocab_ids.tolist(), list(start.head_cfg.layers)
+    else:
+        start, layers = None, default_layers(llm.cfg.num_layers)
+        vocab = draft_vocab(work / "draft_vocab.json", seqs, loss_from, llm.cfg.vocab_size, run.draft_vocab)
+    head = new_head(llm, vocab, layers, start).to(device)
     steps = run.steps or max(1, int(run.epochs * len(seqs) / run.batch))
     done = fit(head, target, seqs, loss_from, vocab, run, steps, work, deadline)
     save_head(run.out, llm.cfg, {k: v.detach().to(torch.bfloat16) for k, v in head.published().items()},
@@ -302,9 +308,10 @@ def draft_vocab(path: Path, seqs: list[list[int]], loss_from: list[int], vocab_s
     return json.loads(path.read_text())["token_ids"]
 
 
-def new_head(llm: LlamaModel, vocab: list[int], layers: list[int]) -> EagleHead:
-    """A head for `llm`: its embedding (frozen), its LM head's rows of `vocab` and its final norm; the
-    layer's hidden half of the attention and its MLP start from the LLM's last layer, the rest at random."""
+def new_head(llm: LlamaModel, vocab: list[int], layers: list[int], start: EagleHead | None = None) -> EagleHead:
+    """A head for `llm` to train: `start`'s weights (a trained head, going on), or its embedding (frozen),
+    its LM head's rows of `vocab` and its final norm, the layer's hidden half of the attention and its MLP
+    from the LLM's last layer, the rest at random."""
     m = dataclasses.replace(llm.cfg, num_layers=1)
     head = EagleHead(HeadConfig(m, len(vocab), llm.cfg.hidden_size, tuple(layers), False))
     H = m.hidden_size
@@ -322,6 +329,11 @@ def new_head(llm: LlamaModel, vocab: list[int], layers: list[int]) -> EagleHead:
             getattr(L, name).weight.copy_(getattr(last, name).weight)
         L.input_norm.weight.copy_(last.input_norm.weight)
         L.hidden_norm.weight.copy_(last.input_norm.weight)
+        if start is not None:
+            try:
+                head.load_state_dict(start.state_dict())
+            except RuntimeError as e:
+                raise ValueError(f"--init: the head's shapes are not this LLM's head's: {e}") from None
     head.vocab_ids = torch.tensor(vocab)
     head.embed.weight.requires_grad_(False)
     return head.float()

@@ -407,6 +407,8 @@ def add_train_head_flags(p: argparse.ArgumentParser) -> None:
                    help="the replies' file, appended to and read back (default: OUT/train/replies.jsonl.gz)")
     p.add_argument("--generate-only", action="store_true", help="make the replies and stop")
     p.add_argument("--draft-vocab", type=positive_int, default=8192, help="tokens the head drafts from: those the replies use most")
+    p.add_argument("--init", type=Path, default=None,
+                   help="a trained head of this LLM to go on from (its draft vocabulary kept), e.g. the shipped one")
     p.add_argument("--ttt", type=positive_int, default=3, help="training-time test: drafts of each chain trained")
     p.add_argument("--epochs", type=float, default=6.0)
     p.add_argument("--steps", type=int, default=0, help="training steps (default: --epochs over the replies)")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specinfer.checkpoints import BASE, checkpoint_dir, default_requests, models_dir, write_base
 from specinfer.eagle import EagleHead
@@ -24,11 +25,11 @@ from .conftest import MODELS, ROOT
 from .test_gguf import write_gguf
 
 
-def train_head(out: Path, requests: Path, heldout: Path, steps: int) -> subprocess.CompletedProcess:
+def train_head(out: Path, requests: Path, heldout: Path, steps: int, *more: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "specinfer_cli", "train-head", "--llm", str(MODELS / "llm"),
                            "--out", str(out), "--requests", str(requests), "--heldout", str(heldout),
                            "--new-tokens", "16", "--score-tokens", "16", "--batch", "2", "--steps", str(steps),
-                           "--draft-vocab", "512"],
+                           "--draft-vocab", "512", *more],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -89,6 +90,21 @@ def test_the_written_head_loads_and_drafts_and_greedy_output_is_unchanged(traine
     plain = Engine(llm, mode=Mode.INCREMENTAL).generate(requests)
     assert [g.token_ids for g in drafted] == [g.token_ids for g in plain]
     assert sum(g.tree_steps for g in drafted) > 0
+
+
+def test_training_goes_on_from_a_trained_head(trained, tmp_path):
+    """--init: training starts from the head's weights and keeps its draft vocabulary: the first step's
+    loss, on the same first batch as the fresh run's first step, is the trained head's, lower."""
+    out = trained[0]
+    llm = LlamaModel.from_pretrained(MODELS / "llm")
+    trained_head = EagleHead.from_pretrained(out, llm.cfg, llm.embed.weight)
+    again = tmp_path / "again"
+    train_head(again, out.parent / "requests.jsonl", out.parent / "heldout.jsonl", 1, "--init", str(out),
+               "--replies", str(out / "train" / "replies.jsonl.gz"))
+    assert logged_losses(again)[0]["loss"] < logged_losses(out)[0]["loss"]
+    assert not (again / "train" / "draft_vocab.json").exists()
+    went_on = EagleHead.from_pretrained(again, llm.cfg, llm.embed.weight)
+    assert torch.equal(went_on.vocab_ids, trained_head.vocab_ids)
 
 
 def test_a_head_of_a_gguf_llm_completes_once(trained, tmp_path):
