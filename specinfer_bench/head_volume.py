@@ -6,7 +6,9 @@ and mean accepted chain on every held-out set its report scored, as a table and 
         --out bench/results/head_volume_cpu
 
 Each REPORT is `specinfer train-head --report` output (a trained head's; `--score-only`'s has no training
-figures: give them after the path as `:REPLY_TOKENS:STEPS`, e.g. head-0's from models/README.md).
+figures: give them after the path as `:REPLY_TOKENS:STEPS`, e.g. head-0's from models/README.md), scored on
+this machine. `--earlier OUT.json` takes an earlier table's rows first, as they were, each with the machine
+it was made on.
 """
 
 from __future__ import annotations
@@ -18,13 +20,19 @@ from pathlib import Path
 from .report import _plt, command_line, machine, save_panel
 
 
-def load(spec: str) -> dict:
-    """One head's row from LABEL=PATH[:REPLY_TOKENS:STEPS]."""
+def load(spec: str, machine_text: str) -> dict:
+    """One head's row from LABEL=PATH[:REPLY_TOKENS:STEPS], scored on `machine_text`."""
     label, rest = spec.split("=", 1)
     path, *figures = rest.split(":")
     report = json.loads(Path(path).read_text())
     tokens, steps = (int(f) for f in figures) if figures else (report["reply_tokens"], report["steps"])
-    return {"head": label, "reply_tokens": tokens, "steps": steps, "agreement": report["agreement"]}
+    return {"head": label, "reply_tokens": tokens, "steps": steps, "machine": machine_text, "agreement": report["agreement"]}
+
+
+def earlier(path: Path) -> list[dict]:
+    """The rows of an earlier table (its OUT.json), each with the machine it was made on."""
+    made = json.loads(path.read_text())
+    return [{**r, "machine": r.get("machine", made["machine"])} for r in made["rows"]]
 
 
 def markdown(rows: list[dict], command: str, machine_text: str) -> str:
@@ -32,11 +40,12 @@ def markdown(rows: list[dict], command: str, machine_text: str) -> str:
     lines = [f"# A head's agreement against its distilled data ({machine_text})", "", f"`{command}`", "",
              "First-token agreement with the LLM's greedy continuations of the held-out requests (teacher-forced on "
              "its features; mean accepted length of a chain of 4 drafts in brackets)", "",
-             "| head | reply tokens | steps | " + " | ".join(sets) + " |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in sets) + " |"]
+             "| head | reply tokens | steps | " + " | ".join(sets) + " | scored on |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in sets) + " | --- |"]
     for r in rows:
         cells = [f"{a['first_token']:.1%} ({a['chain4_mean']:.2f})" for a in (r["agreement"][s] for s in sets)]
-        lines.append(f"| {r['head']} | {r['reply_tokens']:,} | {r['steps']:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['head']} | {r['reply_tokens']:,} | {r['steps']:,} | " + " | ".join(cells)
+                     + f" | {r['machine'].split(',')[0]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -65,10 +74,11 @@ def plot(rows: list[dict], path: Path, machine_text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--report", action="append", required=True, help="LABEL=PATH[:REPLY_TOKENS:STEPS], repeatable")
+    ap.add_argument("--earlier", type=Path, default=None, help="an earlier table's OUT.json: its rows first, as they were")
     ap.add_argument("--out", type=Path, required=True, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
-    rows = [load(spec) for spec in args.report]
     command, machine_text = command_line("python -m specinfer_bench.head_volume", argv), machine()
+    rows = (earlier(args.earlier) if args.earlier else []) + [load(spec, machine_text) for spec in args.report]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine_text, "rows": rows},
                                                         indent=2) + "\n")

@@ -409,7 +409,8 @@ def test_the_invariance_probe_names_where_a_row_gets_other_bits(tmp_path):
 
 
 def test_head_volume_puts_trained_and_scored_heads_side_by_side(tmp_path):
-    """A trained head's report gives its own reply tokens and steps; a scored head's come after its path."""
+    """A trained head's report gives its own reply tokens and steps; a scored head's come after its path;
+    an earlier table's rows can lead."""
     from specinfer_bench.head_volume import main
 
     agreement = lambda x: {"prompts/code": {"first_token": x, "chain4_mean": 2 * x},  # noqa: E731
@@ -424,6 +425,16 @@ def test_head_volume_puts_trained_and_scored_heads_side_by_side(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "| head-1 | 1,000,000 | 1,520 | 60.0% (1.20) | 30.0% (0.60) |" in text
     assert out.with_suffix(".png").stat().st_size > 0
+    # an earlier table's rows come first, as they were, with the machine each was made on (a table of rows
+    # without their own: the table's)
+    made = json.loads(out.with_suffix(".json").read_text())
+    rows = [{k: v for k, v in r.items() if k != "machine"} for r in made["rows"]]
+    out.with_suffix(".json").write_text(json.dumps({**made, "rows": rows, "machine": "Elsewhere CPU, 2 torch threads"}))
+    main(["--earlier", str(out.with_suffix(".json")), "--report", f"head-2={tmp_path / 'h1.json'}", "--out", str(tmp_path / "v2")])
+    rows = json.loads((tmp_path / "v2.json").read_text())["rows"]
+    assert [r["head"] for r in rows] == ["head-0", "head-1", "head-2"]
+    assert [r["machine"] for r in rows[:2]] == ["Elsewhere CPU, 2 torch threads"] * 2 and rows[2]["machine"] != rows[0]["machine"]
+    assert "| head-0 | 173,910 | 1,344 | 50.0% (1.00) | 25.0% (0.50) | Elsewhere CPU |" in (tmp_path / "v2.md").read_text()
 
 
 def test_exactness_names_the_first_request_and_token_that_differ_from_off():
