@@ -29,7 +29,10 @@ finds nothing for emits its one token.
 - verify(B, rows) is the verifier's own step time, fitted to [1, B, rows, trees] (rows: tokens
   verified, tree nodes included; trees: 1 if any request has a tree, since a step without trees can
   take a cheaper path than its row count says); draft(m, nodes) the slowest speculator's own time,
-  fitted to [1, m, nodes], from the steps that waited for it; overhead the rest of a tree step's iteration
+  fitted to [1, m, nodes, fed], from the steps that waited for it (fed: the record tokens a drafter caught up
+  on before drafting, predicted at what a held choice feeds, the tokens its requests emitted the step before:
+  a look after plain steps feeds every token since, and priced whole it kept trees looking dearer than they
+  are held); overhead the rest of a tree step's iteration
   (RPCs, bookkeeping), fitted to [1, B, waited] (waited: 1 if the engine waited for the speculators' trees,
   0 where it did not ask them or every tree was drafted ahead), and a plain step's rest apart,
   fitted to [1, B] (until it has PLAIN_SETTLED samples, the tree steps' rest without drafting stands in).
@@ -52,8 +55,8 @@ it moved, so that a move one odd step caused is undone as soon as before. Before
 young and move fast, and every iteration weighs.
 
 A tree must be predicted `margin` (10%) faster than plain decoding to be used: near a tie, costs
-the model does not see decide (a speculator that sat out plain steps catches up on their tokens first;
-the fits' own error); without the margin, near-tie trees at two streams on a CPU ran below no
+the model does not see decide (trees coming back after plain steps: a speculator catches up on their
+tokens once; the fits' own error); without the margin, near-tie trees at two streams on a CPU ran below no
 speculation.
 
 Drafting ahead (`ahead`: the engine's draft_ahead): each tree choice has a twin on which the drafters,
@@ -209,6 +212,7 @@ class Iteration:
     # their realised outcome (a hit); and whether the engine waited for a drafter's tree this step
     predrafts: list[bool] = field(default_factory=list)
     waited: bool = True
+    draft_fed: int = 0  # record tokens a drafter caught up on before drafting (the most of any drafter)
 
 
 @dataclass
@@ -296,6 +300,7 @@ class Looks:
 PLAIN_SETTLED = 4  # a plain step's rest, and plain steps sent ahead, have their own fits from this many samples
 WARMUP = 2  # a choice's first iterations pay one-time costs (kernels loaded or compiled for its paths and
 # shapes, buffers grown): their costs are left out of the fits (see SpeculationController.record)
+FEATURE_LEAD = 8  # plain iterations before a look at a tree that bring the LLM's features for a feature drafter
 MIN_REACH = 0.1  # a drafter drafts a level for a request while its own path reaches that deep this often
 PROBE = 8  # a drafter cut off from a request drafts one level for it every PROBE steps
 AHEAD_LOOK = 3  # iterations of a look at drafting ahead: its first cannot hit (nothing was drafted ahead for it)
@@ -398,10 +403,13 @@ class SpeculationController:
         if choice.ahead:  # the engine waits for the drafters unless every request's tree was drafted ahead
             miss = 1.0 - self.predraft() ** batch_size
             whole = self.held_ahead([1.0, batch_size, rows, miss, miss * m])
-            draft = miss * self.draft([1.0, m, batch_size * full_tree])
+            fed = batch_size * self.acceptance[True].expected_tokens(m)
+            draft = miss * self.draft([1.0, m, batch_size * full_tree, fed])
             return self.expected_tokens(choice, share), verify, draft, whole - verify - draft
         if m:
-            draft = asked * self.draft([1.0, m, batch_size * share * full_tree]) if asked else 0.0
+            # held, a drafter catches up on what each request it drafts for emitted the step before
+            fed = batch_size * share * self.acceptance[True].expected_tokens(m)
+            draft = asked * self.draft([1.0, m, batch_size * share * full_tree, fed]) if asked else 0.0
             return self.expected_tokens(choice, share), verify, draft, self.overhead([1.0, batch_size, asked])
         if chained and len(self.plain_ahead.samples) >= PLAIN_SETTLED:
             return 1.0, verify, 0.0, self.plain_ahead([1.0, batch_size]) - verify  # (below 0 where the fits differ)
@@ -468,6 +476,17 @@ class SpeculationController:
                 look.run, look.looking = AHEAD_LOOK - 1, c
             return c
         return options[best]
+
+    def drafts_soon(self, batch_size: int) -> bool:
+        """Whether a tree may be drafted at this batch size within FEATURE_LEAD iterations: its choice drafts,
+        it is still measuring its choices, or its next look comes that soon. A feature drafter (a head) drafts
+        from the LLM's features of the tokens before, and where a step brought none it feeds zeros: at a look
+        after a stretch of plain steps it then drafted worse than it would held, and the controller, having
+        measured its trees at looks, kept decoding plainly (bench/results/services_general_head_features_cpu.md).
+        Plain steps pay for the features only before a look."""
+        look = self.looks.get(batch_size)
+        return (look is None or look.best is None or look.best.depth > 0
+                or look.next_look - look.iterations <= FEATURE_LEAD)
 
     def summary(self) -> dict:
         """Per batch size: how often each choice was made, each choice's predicted tokens per second of
@@ -549,7 +568,7 @@ class SpeculationController:
         elif not step.choice.ahead and self.seen[step.choice] > WARMUP:
             self.verify.add([1.0, step.batch_size, step.rows, float(step.trees)], step.verify_s)
             if waited:
-                self.draft.add([1.0, step.draft_levels, step.draft_nodes], step.draft_s)
+                self.draft.add([1.0, step.draft_levels, step.draft_nodes, step.draft_fed], step.draft_s)
             if step.trees:
                 self.overhead.add([1.0, step.batch_size, float(waited)],
                                   max(0.0, step.seconds - step.verify_s - step.draft_s))

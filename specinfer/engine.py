@@ -337,6 +337,7 @@ class Sequence:
     preemptions: int = 0  # times its state was dropped everywhere to make room, and its record prefilled again
     prediction: Prediction | None = None  # where its output stands in request.prediction, if it has one
     last_tokens: tuple[int, ...] = ()  # what its last step emitted: the outcome its trees drafted ahead are keyed by
+    drafter_has: dict = field(default_factory=dict)  # drafter number -> record tokens it had at its last draft for it
 
     def __post_init__(self):
         if self.request.prediction:
@@ -479,6 +480,7 @@ class Round:
     chains: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     levels: int = 0
     nodes: int = 0
+    fed: int = 0  # record tokens the drafter that caught up on most fed before drafting (controller's Iteration)
     asked: set[str] = field(default_factory=set)
     drafted: float = 0.0
     predrafted: set[str] = field(default_factory=set)  # requests whose drafters' trees were all drafted ahead
@@ -585,6 +587,7 @@ class SpeculativeEngine:
         self.release(seq.id)
         seq.verifier_has = 0
         seq.features = []
+        seq.drafter_has = {}
         seq.preemptions += 1
 
     async def flush(self) -> None:
@@ -651,7 +654,7 @@ class SpeculativeEngine:
     async def _draft(self, r: Round) -> None:
         """Draft: the drafters' trees merged with context lookup's chains (`_drafted_trees`), and each
         prediction's chain merged in."""
-        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.asked, r.drafted, r.predrafted, r.tried) = \
+        r.trees, r.sources, r.plans, r.chains, (r.levels, r.nodes, r.fed, r.asked, r.drafted, r.predrafted, r.tried) = \
             await self._drafted_trees(r.batch, r.choice, r.fits, r.predicted)
         for s in r.batch:
             if chain := r.predicted.get(s.id):
@@ -691,12 +694,13 @@ class SpeculativeEngine:
         failed with."""
         # features for the steps that speculate for the request (also where context lookup's chain
         # stood in for the drafters: the head's next draft needs these rows; a prefill that speculates
-        # brings the prompt's): a feature drafter feeds zeros for the rows of plain steps (it drafts
-        # worse there, never wrongly), and a load at which the controller decodes plainly pays for none; a
-        # step that drafts from the request's prediction asks none, unless it is the prefill (the prompt's)
-        features = self.wants_features
+        # brings the prompt's), and for plain steps where a tree may come soon (`_features_soon`): a feature
+        # drafter feeds zeros for the rows of the others (it drafts worse there, never wrongly); a step
+        # that drafts from the request's prediction asks none, unless it is the prefill (the prompt's)
+        features, soon = self.wants_features, not r.choice.depth and self._features_soon(len(r.batch))
         r.checks = [self._check(s, r.trees.get(s.id, TokenTree()),
-                                features and s.id in r.plans and (s.id not in r.predicted or not s.steps),
+                                features and (s.id in r.plans or soon and s.expansion is None)
+                                and (s.id not in r.predicted or not s.steps),
                                 r.allowed.get(s.id), predrafted=s.id in r.predrafted)
                     for s in r.batch]
         r.checks += [Check(s.id, s.tokens_from(s.verifier_has)[: r.chunks[s.id]], s.verifier_has + r.chunks[s.id],
@@ -732,7 +736,7 @@ class SpeculativeEngine:
                      if s.expansion is None and s.id in r.plans and s.id not in r.predicted]
         self.controller.record(Iteration(
             batch_size=len(r.batch), choice=r.choice, rows=sum(len(c.new_tokens) + len(c.tree) for c in r.checks),
-            trees=bool(r.trees), draft_levels=r.levels, draft_nodes=r.nodes,
+            trees=bool(r.trees), draft_levels=r.levels, draft_nodes=r.nodes, draft_fed=r.fed,
             seconds=time.perf_counter() - r.start, verify_s=step_ns / 1e9, draft_s=r.draft_ns / 1e9,
             accepted=[(len(t) - 1 if s.id in r.trees else 0, len(r.plans[s.id])) for s, t in on_server],
             tree_nodes=[len(r.trees.get(s.id, ())) for s, _ in on_server],
@@ -770,6 +774,8 @@ class SpeculativeEngine:
         out, outcomes = [], {}
         for s, n, v, why in zip(ahead.seqs, ahead.preemptions, verified, ahead.why):
             if not s.done and s.preemptions == n:  # else cancelled, or preempted and to be resent whole
+                if v.features is not None:
+                    s.features.append(v.features)
                 s.no_tree[why] += 1
                 out.append((s, self._commit(s, v, None, {}, (), outcomes)))
         if self.controller is not None and ahead.steady:
@@ -882,7 +888,8 @@ class SpeculativeEngine:
         if not sent:
             self.chosen = (len(seqs), choice)
             return None
-        checks = [self._check(s, ahead=s.id in in_flight) for s in sent]
+        features = self._features_soon(len(sent))
+        checks = [self._check(s, features=features and s.expansion is None, ahead=s.id in in_flight) for s in sent]
         release = self._releasing()
         call = asyncio.ensure_future(self.verifier.verify(checks, release, follows=True))
         call.add_done_callback(lambda c: c.cancelled() or c.exception())  # a dropped one's error is no news
@@ -919,6 +926,12 @@ class SpeculativeEngine:
         if self.controller is None:
             return Choice(len(full_trees))
         return self.controller.choose(batch_size, full_trees, chains)
+
+    def _features_soon(self, batch_size: int) -> bool:
+        """Whether a plain step of this batch asks the LLM's features of its rows: a feature drafter drafts on
+        the server's trees soon (SpeculationController.drafts_soon; without a controller, plain steps are the
+        requests' own choice)."""
+        return self.wants_features and self.controller is not None and self.controller.drafts_soon(batch_size)
 
     def _check(self, s: Sequence, tree: TokenTree | None = None, features: bool = False,
                allowed: AllowedTokens | None = None, ahead: bool = False, predrafted: bool = False) -> Check:
@@ -1081,17 +1094,17 @@ class SpeculativeEngine:
     async def _drafted_trees(self, batch: list[Sequence], choice: Choice, fits: int, predicted: dict[str, list[int]]
                      ) -> tuple[
             dict[str, TokenTree], dict[str, dict[int, TokenTree]], dict[str, list[int]],
-            dict[str, tuple[list[int], int]], tuple[int, int, set[str], float, set[str], set[str]]]:
+            dict[str, tuple[list[int], int]], tuple[int, int, int, set[str], float, set[str], set[str]]]:
         """Each request's merged draft tree (none for a request that gets no tree this step), the
         trees it merged by drafter number (context lookup's: the number after the drafters'), the
         expansion config each request was planned (at its prompt's step too, undrafted there: it then
         asks the prompt's features for a feature drafter), with context lookup on the chain it found
         for each (maybe none) and the most tokens it could have drafted, and the deepest tree asked of
-        the drafters (0: they were not asked), the nodes asked in all, the requests they were asked
-        for, the seconds spent awaiting their trees, the requests whose trees were all drafted ahead and those
-        some drafter drafted ahead for. A request in `predicted` drafts from its
-        prediction this step, merged with lookup's chain: the drafters are not asked for it, and no
-        reason for having no tree is counted for it."""
+        the drafters (0: they were not asked), the nodes asked in all, the record tokens caught up on
+        (`_caught_up`), the requests they were asked for, the seconds spent awaiting their trees, the
+        requests whose trees were all drafted ahead and those some drafter drafted ahead for. A request
+        in `predicted` drafts from its prediction this step, merged with lookup's chain: the drafters are
+        not asked for it, and no reason for having no tree is counted for it."""
         drafting, first = [], {}  # first: those planned a tree at their prompt's step, undrafted (FIRST_TOKEN_FIRST)
         # the drafters draft ahead on the server's trees where the controller chose so (without one, and on a
         # request's own expansion: always, if asked to)
@@ -1110,7 +1123,7 @@ class SpeculativeEngine:
             for s, _ in drafting:  # a constrained request's grammar may still draft (iteration)
                 if s.id not in predicted:
                     s.no_tree["no drafters configured"] += 1
-            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, set(), 0.0, set(), set())
+            return {}, {}, {**first, **{s.id: d.expansion for s, d in drafting}}, {}, (0, 0, 0, set(), 0.0, set(), set())
         chains = {}  # context lookup's (and its room), found before the drafters are asked (it costs no RPC)
         if self.lookup:
             for s, d in drafting:
@@ -1156,8 +1169,8 @@ class SpeculativeEngine:
             merged[s.id] = merged_trees(trees)
             sources[s.id] = trees
         asked_for = (max((len(d.expansion) for drafts in each for d in drafts), default=0),
-                     max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0), asked_ids,
-                     drafted, predrafted, tried)
+                     max((sum(tree_size(d.expansion) for d in drafts) for drafts in each), default=0),
+                     self._caught_up(each, seqs), asked_ids, drafted, predrafted, tried)
         return merged, sources, {**first, **{s.id: d.expansion for s, d in drafting}}, chains, asked_for
 
     async def _drafted_ahead(self) -> list[dict[str, dict[tuple[int, ...], TokenTree]]]:
@@ -1195,6 +1208,21 @@ class SpeculativeEngine:
         self.stats.predraft_misses += len(tried - hit)
         self.stats.predraft_partial += sum(any(rid in hits[i] for i in asked[rid]) for rid in tried - hit)
         return hit, tried
+
+    @staticmethod
+    def _caught_up(each: list[list[Draft]], seqs: dict[str, Sequence]) -> int:
+        """The most record tokens a drafter feeds before drafting this step, over the drafters (`each`: their
+        drafts): held on trees, a request's accepted path and bonus token; after plain steps or steps it was
+        cut off from the request, every token since (the controller prices the catching up apart)."""
+        most = 0
+        for i, drafts in enumerate(each):
+            fed = 0
+            for d in drafts:
+                s = seqs[d.request_id]
+                fed += s.length - s.drafter_has.get(i, 0)
+                s.drafter_has[i] = s.length
+            most = max(most, fed)
+        return most
 
     def _drafts_for(self, drafter: int, asked: list[Draft], seqs: dict[str, Sequence]) -> list[Draft]:
         """What drafter number `drafter` drafts this step: for requests on the server's expansion, as

@@ -8,7 +8,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specinfer.controller import AHEAD_LOOK, AHEAD_SETTLED, PLAIN, PROBE, WARMUP, Choice, Fit, Iteration, SpeculationController
+from specinfer.controller import (AHEAD_LOOK, AHEAD_SETTLED, FEATURE_LEAD, PLAIN, PROBE, WARMUP, Choice, Fit, Iteration,
+                                  SpeculationController)
 from specinfer.tree import tree_size
 
 EXPANSION = [2, 1, 1, 1]
@@ -16,7 +17,7 @@ EXPANSION = [2, 1, 1, 1]
 
 def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8, overhead=0.001, seed=0,
              chain_accept=0.0, chain_found=1.0, chain=0, first=(0, 0.0), tree_overhead=None, chained=False,
-             told=None, ahead=None):
+             told=None, ahead=None, catch_up=0.0):
     """Run iterations of a simulated system: verify(B, rows) seconds per verifier step, draft_level
     seconds per level the speculators draft, each draft token accepted (given its parent was) with
     probability `accept`. With lookup on (the controller's), context lookup finds a chain of `chain`
@@ -32,6 +33,8 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     behind one that drafted ahead, each request's tree was drafted ahead with probability `hit`, and where
     every request's was the step does not wait for the drafters; a step drafting ahead slows the verifier's
     by `cost` seconds (a drafter sharing its device); None: nothing is ever drafted ahead (sampled requests).
+    catch_up: seconds of drafting per record token a drafter feeds before it drafts (every token a request
+    emitted since the drafter last drafted for it: after plain steps, all of theirs).
     Returns how often each choice was made over the second half: the SSMs' depth, "lookup", or ("ahead", depth)."""
     rng = random.Random(seed)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
@@ -39,6 +42,7 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
     told = chained if told is None else told
     c = controller.choose(batch_size, full, told)
     drafted_ahead = False  # the step before drafted ahead
+    behind = [0] * batch_size  # per request, the tokens it emitted since the drafters last drafted for it
 
     def run(p, depth):  # tokens of a path accepted with probability p each, at most depth
         a = 0
@@ -50,8 +54,8 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
         m = c.depth
         if i >= iterations // 2:
             chosen[("ahead", m) if c.ahead else m if c.speculators else "lookup"] += 1
-        accepted, nodes, asked, chains = [], [], [], []
-        for _ in range(batch_size * bool(m)):
+        accepted, nodes, asked, chains, fed = [], [], [], [], 0
+        for j in range(batch_size * bool(m)):
             found = controller.lookup and rng.random() < chain_found
             chain_a = run(chain_accept, chain or m) if found else 0
             ssm = controller.trees and (c.speculators or not found)
@@ -59,18 +63,23 @@ def simulate(controller, batch_size, iterations, verify, draft_level, accept=0.8
             nodes.append((full[m - 1] if ssm else 0) + ((chain or m) if found else 0))
             asked.append(ssm)
             chains.append((chain_a, chain or m) if found else None)
+            if ssm:
+                fed, behind[j] = fed + behind[j], 0
         levels = m if any(asked) else 0
         rows = batch_size + sum(nodes)
         predrafts = [rng.random() < ahead[0] for a in asked if a] if drafted_ahead and ahead else []
         waited = not predrafts or not all(predrafts)
         v, d = verify(batch_size, rows) + (ahead[1] if c.ahead and ahead else 0.0), draft_level * levels * waited
+        d += catch_up * fed * waited
+        for j in range(batch_size):
+            behind[j] += 1 + (accepted[j][0] if accepted else 0)
         drafted_ahead = c.ahead
         runs[c] += 1
         if runs[c] <= first[0]:
             v, d = v + first[1] / 2, d + first[1] / 2 * bool(levels)
         rest = overhead if not m or tree_overhead is None else tree_overhead
         step = Iteration(batch_size, c, rows, m > 0, levels, sum(full[m - 1] for a in asked if a), v + d + rest, v, d,
-                         accepted, nodes, asked, chains, predrafts=predrafts, waited=waited)
+                         accepted, nodes, asked, chains, predrafts=predrafts, waited=waited, draft_fed=fed)
         if chained:  # the next step is chosen as this one is sent; both plain: sent ahead
             c = controller.choose(batch_size, full, told) if i + 1 < iterations else c
             if not m and not c.depth:
@@ -119,6 +128,45 @@ def test_a_choices_first_steps_paying_one_time_costs_do_not_keep_the_trees_off(s
     chosen = simulate(SpeculationController(explore=16), 1, 600, verify=lambda b, rows: 0.0046 + 1e-6 * rows,
                       draft_level=0.0004, first=(2, 3.0), seed=seed)
     assert chosen[len(EXPANSION)] >= 0.9 * sum(chosen.values()), chosen
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_looks_catching_up_after_plain_steps_does_not_keep_held_trees_off(seed):
+    """A drafter feeds every token emitted since it last drafted, 0.5 ms each: held on trees a request's
+    step or few, at a look after 64 plain steps all 64 (32 ms against an 11 ms step). Trees lose while the
+    drafters rarely agree (20% accepted), then win held (85%: up to 1.7x plain decoding). Priced whole, a
+    look's catching up kept plain decoding on in 98% of the second half (the fit without the fed tokens);
+    fitted as a term of its own, held trees are priced at what they feed, and chosen."""
+    c = SpeculationController(explore=16, explore_max=64)
+    verify = lambda b, rows: 0.010 + 0.001 * rows  # noqa: E731
+    simulate(c, 1, 150, verify=verify, draft_level=0.001, accept=0.2, catch_up=0.0005, seed=seed)
+    chosen = simulate(c, 1, 1600, verify=verify, draft_level=0.001, accept=0.85, catch_up=0.0005, seed=seed)
+    assert chosen[0] <= 0.25 * sum(chosen.values()), chosen
+    assert c.summary()["1"]["predicted_terms"]["trees 1"][2] < 3.0  # ms: a level, and a step's tokens fed
+
+
+def test_plain_steps_bring_features_only_within_the_lead_of_a_look():
+    """Held on plain decoding, a feature drafter is told the LLM's features of the FEATURE_LEAD plain steps
+    before each look at a tree (`drafts_soon`), not of the others; before its choices are measured, always."""
+    c = SpeculationController(explore=16, explore_max=64)
+    full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
+    soon, chosen = [], []
+    for i in range(400):
+        choice = c.choose(1, full)  # the engine asks once the iteration's choice is made
+        chosen.append(choice)
+        soon.append(c.drafts_soon(1))
+        levels = choice.depth
+        rows = 1 + (full[levels - 1] if levels else 0)
+        c.record(Iteration(1, choice, rows, levels > 0, levels, rows - 1, 0.010 + 0.013 * levels, 0.010,
+                           0.012 * levels, [(0, levels)] if levels else [], [rows - 1] if levels else [],
+                           [True] if levels else [], [None] if levels else []))
+    measured = (WARMUP + 2) * (len(EXPANSION) + 1)
+    assert all(soon[:measured])
+    looks = [i for i in range(measured, len(chosen)) if chosen[i].depth]
+    assert len(looks) >= 5
+    lead = {j for i in looks for j in range(i - FEATURE_LEAD, i)}
+    assert all(soon[j] for j in lead)
+    assert not any(soon[j] for j in range(looks[0], len(chosen)) if j not in lead and not chosen[j].depth), looks
 
 
 def test_no_tree_when_a_level_costs_more_than_a_step():

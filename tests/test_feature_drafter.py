@@ -13,6 +13,7 @@ import torch
 
 from specinfer.eagle import EagleHead, save_head
 from specinfer import feature_drafter
+from specinfer.controller import FEATURE_LEAD
 from specinfer.feature_drafter import FeatureSpeculator
 from specinfer.generate import Engine, Mode, Request
 from specinfer.model import LlamaModel, ModelConfig
@@ -399,6 +400,36 @@ def test_a_head_drafts_ahead_from_its_own_predicted_features(fixture_llm, head, 
         for _ in expansion[1:]:
             chain.append(int(dense_logits(head, feats, record, list(key) + chain)[-1].argmax()))
         assert tuple(chain) in paths(grown), key
+
+
+def test_plain_steps_bring_the_llms_features_only_before_a_look_at_a_tree(fixture_llm, head, monkeypatch):
+    """Held on plain decoding (the controller's rates patched so that it wins), the engine asks the LLM's
+    features of the FEATURE_LEAD plain steps before each look at a tree, and of no other plain step: at a
+    look the head drafts from the LLM's features of the tokens before it, not from zeros, and plain decoding
+    held pays for none."""
+    engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], adaptive=True)
+    controller = engine.engine.controller
+    monkeypatch.setattr(controller, "rate", lambda b, choice, *a: 0.5 if choice.depth else 1.0)
+    chosen, asked, choose, verify = [], [], controller.choose, engine.engine.verifier.verify
+
+    def logged_choice(*a, **k):
+        chosen.append(choose(*a, **k))
+        return chosen[-1]
+
+    async def logged_step(checks, release, follows=False):
+        asked.append(all(c.features for c in checks))
+        return await verify(checks, release, follows)
+
+    monkeypatch.setattr(controller, "choose", logged_choice)
+    engine.engine.verifier.verify = logged_step
+    engine.generate([Request(PROMPTS[0], 160, id="0", ignore_eos=True)])
+    assert len(chosen) == len(asked)  # an iteration a step (a CPU verifier: none sent ahead)
+    trees = [i for i, c in enumerate(chosen) if c.depth]
+    # the looks: tree choices after a stretch of plain steps longer than the lead (the choices measured before)
+    looks = [(a, t) for a, t in zip(trees, trees[1:]) if t - a > FEATURE_LEAD + 1]
+    assert len(looks) >= 2, trees
+    for a, t in looks:
+        assert asked[a + 1 : t] == [i >= t - FEATURE_LEAD for i in range(a + 1, t)], (a, t)
 
 
 @pytest.fixture(scope="module")
