@@ -888,7 +888,7 @@ class SpeculativeEngine:
         if not sent:
             self.chosen = (len(seqs), choice)
             return None
-        features = self._features_soon(len(sent))
+        features = self._features_soon(len(seqs))  # the batch size the choice was made for
         checks = [self._check(s, features=features and s.expansion is None, ahead=s.id in in_flight) for s in sent]
         release = self._releasing()
         call = asyncio.ensure_future(self.verifier.verify(checks, release, follows=True))

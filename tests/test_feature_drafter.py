@@ -402,12 +402,14 @@ def test_a_head_drafts_ahead_from_its_own_predicted_features(fixture_llm, head, 
         assert tuple(chain) in paths(grown), key
 
 
-def test_plain_steps_bring_the_llms_features_only_before_a_look_at_a_tree(fixture_llm, head, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-step-at-a-time", "plain-steps-sent-ahead"])
+def test_plain_steps_bring_the_llms_features_only_before_a_look_at_a_tree(fixture_llm, head, monkeypatch, ahead):
     """Held on plain decoding (the controller's rates patched so that it wins), the engine asks the LLM's
     features of the FEATURE_LEAD plain steps before each look at a tree, and of no other plain step: at a
     look the head drafts from the LLM's features of the tokens before it, not from zeros, and plain decoding
-    held pays for none."""
+    held pays for none. So too where plain steps are sent ahead of their answers (a verifier on a GPU)."""
     engine = Engine(fixture_llm, [], Mode.TREE, [2, 1, 1], heads=[head], adaptive=True)
+    engine.engine.steps_ahead = ahead
     controller = engine.engine.controller
     monkeypatch.setattr(controller, "rate", lambda b, choice, *a: 0.5 if choice.depth else 1.0)
     chosen, asked, choose, verify = [], [], controller.choose, engine.engine.verifier.verify
@@ -423,7 +425,9 @@ def test_plain_steps_bring_the_llms_features_only_before_a_look_at_a_tree(fixtur
     monkeypatch.setattr(controller, "choose", logged_choice)
     engine.engine.verifier.verify = logged_step
     engine.generate([Request(PROMPTS[0], 160, id="0", ignore_eos=True)])
-    assert len(chosen) == len(asked)  # an iteration a step (a CPU verifier: none sent ahead)
+    # a choice a step (sent ahead, the last step's request ends with it: the choice made for a next one sends none)
+    assert len(chosen) - len(asked) == ahead
+    chosen = chosen[: len(asked)]
     trees = [i for i, c in enumerate(chosen) if c.depth]
     # the looks: tree choices after a stretch of plain steps longer than the lead (the choices measured before)
     looks = [(a, t) for a, t in zip(trees, trees[1:]) if t - a > FEATURE_LEAD + 1]
