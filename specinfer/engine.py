@@ -1213,7 +1213,8 @@ class SpeculativeEngine:
     def _caught_up(each: list[list[Draft]], seqs: dict[str, Sequence]) -> int:
         """The most record tokens a drafter feeds before drafting this step, over the drafters (`each`: their
         drafts): held on trees, a request's accepted path and bonus token; after plain steps or steps it was
-        cut off from the request, every token since (the controller prices the catching up apart)."""
+        cut off from the request, every token since (the controller prices the catching up apart). Each request
+        then counts as fed to the drafters that draft for it."""
         most = 0
         for i, drafts in enumerate(each):
             fed = 0
