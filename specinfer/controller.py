@@ -400,15 +400,14 @@ class SpeculationController:
         if choice.ahead and (len(self.held_ahead.samples) < AHEAD_SETTLED
                              or all(x[3] for x, _ in self.held_ahead.samples)):  # not measured yet: as its twin
             return self.terms(batch_size, choice.trees, full_tree, chained)
+        # held, a drafter catches up on what each request it drafts for emitted the step before
+        fed = batch_size * share * self.acceptance[True].expected_tokens(m) if m else 0.0
         if choice.ahead:  # the engine waits for the drafters unless every request's tree was drafted ahead
             miss = 1.0 - self.predraft() ** batch_size
             whole = self.held_ahead([1.0, batch_size, rows, miss, miss * m])
-            fed = batch_size * self.acceptance[True].expected_tokens(m)
             draft = miss * self.draft([1.0, m, batch_size * full_tree, fed])
             return self.expected_tokens(choice, share), verify, draft, whole - verify - draft
         if m:
-            # held, a drafter catches up on what each request it drafts for emitted the step before
-            fed = batch_size * share * self.acceptance[True].expected_tokens(m)
             draft = asked * self.draft([1.0, m, batch_size * share * full_tree, fed]) if asked else 0.0
             return self.expected_tokens(choice, share), verify, draft, self.overhead([1.0, batch_size, asked])
         if chained and len(self.plain_ahead.samples) >= PLAIN_SETTLED:

@@ -151,7 +151,7 @@ def test_plain_steps_bring_features_only_within_the_lead_of_a_look():
     c = SpeculationController(explore=16, explore_max=64)
     full = [tree_size(EXPANSION[:m]) for m in range(1, len(EXPANSION) + 1)]
     soon, chosen = [], []
-    for i in range(400):
+    for _ in range(400):
         choice = c.choose(1, full)  # the engine asks once the iteration's choice is made
         chosen.append(choice)
         soon.append(c.drafts_soon(1))
