@@ -19,7 +19,6 @@ which compiles what it needs), so the tokens/s of one backend can be set beside 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 
 from .inprocess import load_prompt_ids
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 
 def compare(plain: list[int], spec: list[int]) -> tuple[float, int | None]:
@@ -100,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
                          "speculative_tok_s": round(speed[name, Mode.MERGED.value], 1)}
         print(name, summary[name])
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
         lines = [f"`{meta['command']}` on {meta['machine']}, device {device}", "",
                  f"Greedy output of {'merged-SSM speculation' if ssm_dirs else 'context lookup alone, no SSM,'} "
                  "(the controller's trees) against the same engine "
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "| dtype | prompt | tokens | identical share | first divergence |", "| --- | --- | --- | --- | --- |"]
         lines += [f"| {r['dtype']} | {r['prompt']} | {r['tokens']} | {r['identical_share']:.1%} | "
                   f"{'-' if r['first_divergence'] is None else r['first_divergence']} |" for r in rows]
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_record(args.out, {"meta": meta, "summary": summary, "rows": rows}, "\n".join(lines) + "\n")
     return 0
 
 

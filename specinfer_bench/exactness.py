@@ -19,7 +19,6 @@ Results are written after every run (OUT.json, OUT.md), so a run stopped part wa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from specinfer_rpc.launch import launch
 
 from .divergence import compare
 from .inprocess import load_prompt_ids
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 ATTENTIONS = ("invariant", "reference")
 
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["runs"].append({"attention": attention, "speculation": speculation, "streams": streams,
                                        "tokens": tokens, "seconds": round(seconds, 1), "tok_s": round(tokens / seconds, 2),
                                        **against(reference, outs, ids)})
-                args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-                args.out.with_suffix(".md").write_text(markdown(report))
+                write_record(args.out, report, markdown(report))
         finally:
             system.stop()
     bar.close()

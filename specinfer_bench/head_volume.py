@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .report import _plt, command_line, machine, save_panel
+from .report import _plt, command_line, machine, save_panel, write_record
 
 
 def load(spec: str, machine_text: str) -> dict:
@@ -79,10 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     command, machine_text = command_line("python -m specinfer_bench.head_volume", argv), machine()
     rows = (earlier(args.earlier) if args.earlier else []) + [load(spec, machine_text) for spec in args.report]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine_text, "rows": rows},
-                                                        indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows, command, machine_text))
+    write_record(args.out, {"command": command, "machine": machine_text, "rows": rows},
+                 markdown(rows, command, machine_text))
     plot(rows, args.out.with_suffix(".png"), machine_text)
     print(args.out.with_suffix(".md").read_text())
 

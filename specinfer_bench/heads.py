@@ -19,7 +19,6 @@ The adaptive default against fixed settings, on the held-out code and chat and t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 
 from .inprocess import load_prompt_ids, run
-from .report import _plt, command_line, machine, summarize
+from .report import _plt, command_line, machine, summarize, write_record
 
 # label -> (SSM 0, the head, mode, expansion, context lookup, dynamic trees, adaptive)
 CONFIGS = {
@@ -129,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             if row["adaptive"] and best_fixed:
                 row["of_best_fixed"] = row["tokens_per_s"] / best_fixed
         result["sets"][name] = {"prompts": next(iter(by_label.values()))[0], "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    args.out.with_suffix(".md").write_text(text)
+    write_record(args.out, result, text)
     plot(result, args.out.with_suffix(".png"))
     print(text)
     return 0

@@ -24,7 +24,6 @@ caches are cold then, which costs 3-5x here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from specinfer.speculator import Speculator
 from specinfer.verifier import Verifier
 
 from .ops import speculator_draft, verifier_step
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 DRAFT_EXPANSION = [4, 3]  # 4 + 12 = 16 nodes
 
@@ -123,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(r)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [f"`{meta['command']}` on {meta['machine']}, models on {device}", "",
                  "Host work per forward (extend the caches, lay out, stage, send), median microseconds of "
                  f"{args.repeats} forwards, requests with {args.prompt_len}-token contexts. Padded to the default "
@@ -137,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {r['role']} | {r['batch']} | {r['tree_nodes']} | {r['host_us']:.0f} | "
                   f"{r['host_us_after_forward']:.0f} | "
                   f"{', '.join('eager' if u is None else str(u) for u in r['buckets'])} |" for r in rows]
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_record(args.out, {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     return 0
 
 

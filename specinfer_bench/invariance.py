@@ -38,7 +38,7 @@ from specinfer.checkpoints import DEFAULT_LLM, checkpoint_dir
 from specinfer.model import Dense, LlamaModel, StepInput
 from specinfer_kernels.invariant import blas_keeps_rows
 
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 OPS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
 
@@ -323,9 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(report)
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        args.out.with_suffix(".md").write_text(text)
+        write_record(args.out, report, text)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ The kernel runs in its default configuration, or in the one SPECINFER_TREE_ATTEN
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from specinfer.verifier import Verifier, VerifyRequest
 from specinfer_kernels import tree_attention_reference
 
 from .attention_cases import attention_case, card_peak_gbps, kv_bytes, random_tree, sdpa_ms, timed_ms
-from .report import _plt, command_line, machine
+from .report import _plt, command_line, machine, write_record
 
 GPU_GRID = dict(prefix=[512, 2048, 8192, 16384], tree=[1, 16, 64, 256], batch=[1, 8, 64])
 CPU_GRID = dict(prefix=[512, 2048], tree=[1, 16, 64], batch=[1, 8])
@@ -204,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
                  else LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device))
         meta["model"] = f"{model_kind} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters)"
         steps = bench_verifier(model, trees, batches, args.prompt_len, cuda)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "attention": attention, "verifier": steps}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(meta, attention, steps))
+    write_record(args.out, {"meta": meta, "attention": attention, "verifier": steps}, markdown(meta, attention, steps))
     plot(attention, steps, args.out.with_suffix(".png"))
     print(markdown(meta, attention, steps))
 

@@ -53,7 +53,7 @@ from specinfer_kernels.invariant_matmul import invariant_matmul  # noqa: E402
 from specinfer_kernels.tree_attention_triton import TileConfig, default_config, tree_attention_triton  # noqa: E402
 
 from .attention_cases import GPU_AXES, attention_case  # noqa: E402
-from .report import command_line, machine  # noqa: E402
+from .report import command_line, machine, write_record  # noqa: E402
 
 # shared memory a block may use (CUDA's sharedMemPerBlockOptin) and SMs, per compute capability
 ARCHES = {80: dict(name="A100", max_shared_mem=166912, multiprocessor_count=108),
@@ -406,9 +406,7 @@ def main(argv: list[str] | None = None) -> None:
             "gpu": ARCHES[args.arch]["name"], "triton": triton.__version__, "torch": torch.__version__,
             "machine": machine(), "elapsed_s": time.perf_counter() - start, "findings": findings(rows)}
     result = {"meta": meta, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
+    write_record(args.out, result, markdown(result))
     print("\n".join(meta["findings"]))
     print(f"wrote {args.out.with_suffix('.md')}")
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import time
@@ -49,7 +48,7 @@ from specinfer_kernels.tree_attention_triton import TOLERANCE, TileConfig, tree_
 
 from .attention_cases import GPU_AXES, attention_case, card_peak_gbps, kv_bytes, sdpa_ms, timed_ms  # noqa: E402
 from .gpu_summary import per_kernel  # noqa: E402
-from .report import command_line, machine  # noqa: E402
+from .report import command_line, machine, write_record  # noqa: E402
 
 GPU_CELLS = [(16384, 1, 64), (8192, 16, 8), (2048, 64, 8), (512, 1, 1), (2048, 16, 1), (16384, 256, 8), (512, 256, 64)]
 CPU_CELLS = [(40, 1, 1), (24, 6, 2)]
@@ -252,9 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "ratios check the plumbing and say nothing about speed.")}
     result = {"meta": meta, "cells": [{**c.key, "sdpa_ms": c.sdpa_ms, "kv_bytes": c.kv_bytes} for c in prepared],
               "configs": records}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
+    write_record(args.out, result, markdown(result))
     print(markdown(result))
 
 

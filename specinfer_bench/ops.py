@@ -15,7 +15,6 @@ the CPU they cost nothing, but they are counted the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from specinfer.tree import DraftGroup, TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 
 from .attention_cases import random_tree
-from .report import command_line, machine, median_ms
+from .report import command_line, machine, median_ms, write_record
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::resolve_neg")  # item(); value-sized outputs; tolist(), numpy()
 
@@ -126,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": command_line("python -m specinfer_bench.ops", argv), "machine": machine(),
             "tree": args.tree, "expansion": expansion}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [f"`{meta['command']}` on {meta['machine']}", "",
                  f"Verifier step: {args.tree}-node trees; speculator: one <{args.expansion}> draft per request.", "",
                  "Times are medians of wall time on this machine (noisy; the counts are exact).", "",
@@ -139,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"| {r['temperature']:g} | {rule(r)} | {r['batch']} | {r['verifier_ops']} | {r['verifier_syncs']} | "
                   f"{r['verifier_ms']:.2f} | {r['speculator_ops']} | {r['speculator_syncs']} | {r['speculator_ms']:.2f} |"
                   for r in rows]
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_record(args.out, {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     return 0
 
 

@@ -11,7 +11,6 @@ step / step time (the tree step's accepted tokens depend on the drafts, so it re
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from specinfer.tree import TokenTree
 from specinfer.verifier import Verifier, VerifyRequest
 from verifier_svc.workers import ParallelVerifier
 
-from .report import command_line, machine, median_ms
+from .report import command_line, machine, median_ms, write_record
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -83,9 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {r['tp']} | {r['pp']} | {r['tp'] * r['pp']} | {r['prefill_b1_ms']:.1f} | {r['decode_b1_ms']:.2f} | "
                      f"{r['decode_b1_tok_s']:.0f} | {r['decode_b8_ms']:.2f} | {r['decode_b8_tok_s']:.0f} | "
                      f"{r['tree16_b1_ms']:.2f} | {base['decode_b8_ms'] / r['decode_b8_ms']:.2f}x |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_record(args.out, {"meta": meta, "rows": rows}, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from specinfer.checkpoints import DEFAULT_LLM
 from specinfer_rpc.launch import System
 
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 from .structured import start_gateways
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,9 +202,7 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "requests": len(entries),
             "file": str(args.requests.resolve().relative_to(ROOT)) if args.requests.resolve().is_relative_to(ROOT)
             else str(args.requests)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(rows, meta))
+    write_record(args.out, {**meta, "rows": rows}, markdown(rows, meta))
     plot(rows, args.out.with_suffix(".png"))
     print(markdown(rows, meta))
 

@@ -17,7 +17,6 @@ N = 0 say what that costs it.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from tqdm import tqdm
@@ -29,7 +28,7 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 
 from .inprocess import load_prompt_ids
-from .report import _plt, command_line, machine, save_panel
+from .report import _plt, command_line, machine, save_panel, write_record
 
 HIT_GOAL = 0.6  # issue 95's hit rate on code and chat
 
@@ -76,9 +75,6 @@ def main(argv: list[str] | None = None) -> None:
                          "tokens_per_step": round(sum(map(len, tokens)) / sum(g.steps for g in gens), 3),
                          "tokens_as_without": tokens == reference})
     command = command_line("python -m specinfer_bench.predraft", argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine(), "rows": rows},
-                                                        indent=2) + "\n")
     lines = [f"# Drafting during verification: hits in process ({machine()})", "", f"`{command}`", "",
              f"SmolLM2 and {name}, tree {args.expansion} every step (no controller, no context lookup), greedy, "
              f"{args.max_new_tokens} new tokens; a hit: the step's tree was drafted ahead for the outcome of the "
@@ -93,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         either = f"{percent(r['either_rate'])} | " if both else ""
         lines.append(f"| {r['kind']} ({r['requests']}) | {r['outcomes']} | {percent(r['hit_rate'])} | {either}{r['hits']} / "
                      f"{r['drafted_ahead_steps']} | {r['tokens_per_step']:.2f} | {'yes' if r['tokens_as_without'] else 'NO'} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_record(args.out, {"command": command, "machine": machine(), "rows": rows}, "\n".join(lines) + "\n")
     plot(rows, args.out.with_suffix(".png"), f"{name}, {machine()}")
     print("\n".join(lines))
 

@@ -9,7 +9,6 @@ reply's first difference.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import prompt_ids, read_prompt_file
 
 from .divergence import compare
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,9 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             f"first difference: {report['share_of_float32_tokens_before_the_first_difference']:.1%}.\n")
     print(text)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(text)
+        write_record(args.out, report, text)
 
 
 if __name__ == "__main__":

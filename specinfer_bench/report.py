@@ -5,6 +5,7 @@ No command of its own: every benchmark writes its tables and plots through it.
 
 from __future__ import annotations
 
+import json
 import platform
 import shlex
 import statistics
@@ -30,6 +31,15 @@ def median_ms(fn, repeats: int) -> float:
 def command_line(prog: str, argv: list[str] | None) -> str:
     """The command that ran a benchmark, as recorded beside its results."""
     return f"{prog} {shlex.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+
+
+def write_record(out: Path, result, text: str | None = None) -> None:
+    """A benchmark's record beside `out`: OUT.json (its figures; what JSON cannot hold written as text) and,
+    given `text`, OUT.md (its report), their folder made."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if text is not None:
+        out.with_suffix(".md").write_text(text)
 
 
 def machine() -> str:

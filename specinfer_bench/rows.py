@@ -9,7 +9,6 @@ costs as it grows, and what the buckets hold. Side by side in one run, medians.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from tqdm import tqdm
 from specinfer.checkpoints import DEFAULT_LLM
 from specinfer.model import Dense, LlamaModel, StepInput
 
-from .report import command_line, machine, median_ms
+from .report import command_line, machine, median_ms, write_record
 
 ROWS = [1, 2, 4, 8, 12, 17, 24, 33, 40, 49, 65, 97, 129, 193, 257]
 
@@ -61,8 +60,6 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"command": command_line("python -m specinfer_bench.rows", argv), "machine": machine(), "llm": args.llm,
             "dtype": "float32", "prompt_len": args.prompt_len, "repeats": args.repeats, "buckets": list(buckets),
             "packed_rows": Dense.PACKED_ROWS}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=1) + "\n")
     lines = ["# The LLM's forward by rows", "", f"Command: `{meta['command']}`  ", f"Machine: {meta['machine']}  ",
              f"LLM {args.llm}, float32, batch 1 after a {args.prompt_len}-token prompt, medians of {args.repeats}. "
              f"Up to {Dense.PACKED_ROWS} rows both columns are oneDNN's product as it is; past that, `buckets` pads "
@@ -71,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += [f"| {r['rows']} | {r['buckets_ms']:.1f} | {r['x_at_w_ms']:.1f} | {r['x_at_w_ms'] / r['buckets_ms']:.2f} "
               f"| {r['max_rss_mb_after_buckets']} |" for r in rows_out]
     text = "\n".join(lines) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    write_record(args.out, {"meta": meta, "rows": rows_out}, text)
     print(text)
 
 

@@ -17,7 +17,6 @@ reported. Writes <out>.json, <out>.md and <out>.png.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from specinfer.tree import tree_size
 
 from . import inprocess, peers, tree_search
 from .inprocess import load_prompt_ids
-from .report import machine, plot_bench, services_markdown, single_markdown, summarize
+from .report import machine, plot_bench, services_markdown, single_markdown, summarize, write_record
 
 
 def search_tree(llm_dir: Path, ssm_dir: Path, prompts: list[list[int]], continuations: list[list[int]],
@@ -135,10 +134,8 @@ def main(args) -> int:
               "ssms": [str(d) for d in ssm_dirs], "dtype": "float32", "prompts": len(prompts),
               "max_new_tokens": max_new, "single": single, "services": services_rows, "services_rounds": rounds,
               "tree_search": found}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    args.out.with_suffix(".md").write_text(text)
+    write_record(args.out, result, text)
     plot_bench(result, args.out.with_suffix(".png"))
     print(text)
     return 0

@@ -46,7 +46,6 @@ the rest under `skipped`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -69,7 +68,7 @@ from specinfer.verifier import Verifier, VerifyRequest
 
 from .inflate import PRESETS, inflate
 from .ops import count, prefill, speculator_draft, verifier_step
-from .report import _plt, command_line, machine, median_ms
+from .report import _plt, command_line, machine, median_ms, write_record
 
 MODELS = ("llm", "llm-1b", "ssm")
 SSM_EXPANSIONS = {0: [1], 16: [4, 1, 1, 1], 64: [4, 4, 1, 1, 1]}  # tree size -> the SSM's draft
@@ -412,9 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len, "repeats": args.repeats, "graph_config": sizes,
             "ssm_expansions": SSM_EXPANSIONS, "models": models}
     result = {"meta": meta, "rows": rows, "skipped": skipped}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
+    write_record(args.out, result, markdown(result))
     plot(result, args.out.with_suffix(".png"))
     print(markdown(result))
     return 0

@@ -14,7 +14,6 @@ off. Both report tokens/s and tokens per LLM step (the prompt's step included).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from specinfer.model import LlamaModel
 from specinfer.prompts import read_prompt_file
 
 from . import inprocess, services
-from .report import command_line, machine, services_markdown
+from .report import command_line, machine, services_markdown, write_record
 
 SETTINGS = {  # name: (mode, MSS)
     "off": (Mode.INCREMENTAL, False),
@@ -98,10 +97,8 @@ def main() -> None:
                                               args.max_new_tokens, args.rounds, args.temperature)
         lines += ["", services_markdown(result["services"], meta, args.max_new_tokens, args.rounds, args.temperature)
                   .replace("# Through the services", "## Through the services")]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     text = "\n".join(lines) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    write_record(args.out, result, text)
     print(text)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from specinfer_rpc.client import connect, generate, request_pb
 from specinfer_rpc.launch import System, start_backends
 from specinfer_rpc.v1 import verifier_pb2, verifier_pb2_grpc
 
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 
 GENERAL = Path(__file__).resolve().parent.parent / "models" / "smollm2" / "general_prompts.jsonl"
 # chat requests whose greedy replies on the default LLM measured 100-300 tokens, ending by themselves
@@ -336,9 +335,7 @@ def main() -> None:
             results[scenario] = long_prompt(bench, code[:8], long, [int(c) for c in args.long_chunks.split(",")])
         else:
             raise SystemExit(f"--scenarios: unknown {scenario!r}")
-        args.out.parent.mkdir(parents=True, exist_ok=True)  # written after each scenario: a run can take hours
-        args.out.with_suffix(".json").write_text(json.dumps({**meta, **results}, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(results, meta))
+        write_record(args.out, {**meta, **results}, markdown(results, meta))  # after each scenario: a run can take hours
         print(markdown(results, meta), flush=True)
 
 

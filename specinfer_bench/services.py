@@ -61,7 +61,7 @@ from specinfer_rpc.load import run_load
 
 from .divergence import compare
 from .inprocess import load_prompt_ids, reference_greedy
-from .report import command_line, in_process_markdown, machine, plot_services, services_markdown
+from .report import command_line, in_process_markdown, machine, plot_services, services_markdown, write_record
 
 
 OPTIONS = {"static", "nolookup", "alone", "mss", "baseline", "head", "logprobs", "sequential", "ahead", "predraft",
@@ -384,8 +384,7 @@ def main() -> None:
               "dtype": str(dtype).removeprefix("torch."), "default_config": default_config(device.type),
               "max_new_tokens": args.max_new_tokens, "requests_per_stream": args.requests_per_stream,
               "ignore_eos": not args.stop_at_eos, "greedy_check": {"prompts": CHECK_PROMPTS, "tokens": CHECK_TOKENS}}
-    save = lambda: args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))  # noqa: E731
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda text=None: write_record(args.out, result, text)  # noqa: E731
     start = time.perf_counter()
     llm = LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device)
     if args.in_process:
@@ -404,10 +403,9 @@ def main() -> None:
     result["rows"] = rows = measure(args.llm, ssms, prompts, reference, configs, levels, args.requests_per_stream,
                                     args.max_new_tokens, args.rounds, args.temperature, args.baseline, args.head,
                                     args.dtype, exact, args.log_dir, not args.stop_at_eos)
-    save()
     text = services_markdown(rows, result, args.max_new_tokens, args.rounds, args.temperature)
     text += in_process_markdown(result)
-    args.out.with_suffix(".md").write_text(text)
+    save(text)
     plot_services(rows, configs, levels, args.out.with_suffix(".png"), result["machine"])
     print(text)
 

@@ -48,7 +48,7 @@ from tqdm import tqdm
 from specinfer.checkpoints import DEFAULT_LLM, drafter_dirs, served_heads, served_ssms
 from specinfer_rpc.launch import System, start_backends
 
-from .report import command_line, machine
+from .report import command_line, machine, write_record
 from .services import manager_stats
 
 CONFIGS = {  # name: (constrained, speculation as the client asks it)
@@ -276,9 +276,7 @@ def main() -> None:
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.structured", None),
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "neighbour": args.noisy_neighbour,
             "schemas": os.path.relpath(args.requests), "tools": "tools" in entries[0], **found}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(rows, meta))
+    write_record(args.out, {**meta, "rows": rows}, markdown(rows, meta))
     plot(rows, args.out.with_suffix(".png"), meta["tools"])
     print(markdown(rows, meta))
 
