@@ -79,10 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     command, machine_text = command_line("python -m specinfer_bench.head_volume", argv), machine()
     rows = (earlier(args.earlier) if args.earlier else []) + [load(spec, machine_text) for spec in args.report]
-    write_record(args.out, {"command": command, "machine": machine_text, "rows": rows},
-                 markdown(rows, command, machine_text))
+    text = markdown(rows, command, machine_text)
+    write_record(args.out, {"command": command, "machine": machine_text, "rows": rows}, text)
     plot(rows, args.out.with_suffix(".png"), machine_text)
-    print(args.out.with_suffix(".md").read_text())
+    print(text)
 
 
 if __name__ == "__main__":

@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
                  else LlamaModel.from_pretrained(args.llm, dtype=dtype, device=device))
         meta["model"] = f"{model_kind} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters)"
         steps = bench_verifier(model, trees, batches, args.prompt_len, cuda)
-    write_record(args.out, {"meta": meta, "attention": attention, "verifier": steps}, markdown(meta, attention, steps))
+    text = markdown(meta, attention, steps)
+    write_record(args.out, {"meta": meta, "attention": attention, "verifier": steps}, text)
     plot(attention, steps, args.out.with_suffix(".png"))
-    print(markdown(meta, attention, steps))
+    print(text)
 
 
 if __name__ == "__main__":

@@ -251,8 +251,9 @@ def main(argv: list[str] | None = None) -> None:
                                      "ratios check the plumbing and say nothing about speed.")}
     result = {"meta": meta, "cells": [{**c.key, "sdpa_ms": c.sdpa_ms, "kv_bytes": c.kv_bytes} for c in prepared],
               "configs": records}
-    write_record(args.out, result, markdown(result))
-    print(markdown(result))
+    text = markdown(result)
+    write_record(args.out, result, text)
+    print(text)
 
 
 if __name__ == "__main__":

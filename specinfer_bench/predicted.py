@@ -202,9 +202,10 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "requests": len(entries),
             "file": str(args.requests.resolve().relative_to(ROOT)) if args.requests.resolve().is_relative_to(ROOT)
             else str(args.requests)}
-    write_record(args.out, {**meta, "rows": rows}, markdown(rows, meta))
+    text = markdown(rows, meta)
+    write_record(args.out, {**meta, "rows": rows}, text)
     plot(rows, args.out.with_suffix(".png"))
-    print(markdown(rows, meta))
+    print(text)
 
 
 if __name__ == "__main__":

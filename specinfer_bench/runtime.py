@@ -411,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len, "repeats": args.repeats, "graph_config": sizes,
             "ssm_expansions": SSM_EXPANSIONS, "models": models}
     result = {"meta": meta, "rows": rows, "skipped": skipped}
-    write_record(args.out, result, markdown(result))
+    text = markdown(result)
+    write_record(args.out, result, text)
     plot(result, args.out.with_suffix(".png"))
-    print(markdown(result))
+    print(text)
     return 0
 
 

@@ -335,8 +335,9 @@ def main() -> None:
             results[scenario] = long_prompt(bench, code[:8], long, [int(c) for c in args.long_chunks.split(",")])
         else:
             raise SystemExit(f"--scenarios: unknown {scenario!r}")
-        write_record(args.out, {**meta, **results}, markdown(results, meta))  # after each scenario: a run can take hours
-        print(markdown(results, meta), flush=True)
+        table = markdown(results, meta)
+        write_record(args.out, {**meta, **results}, table)  # after each scenario: a run can take hours
+        print(table, flush=True)
 
 
 if __name__ == "__main__":

@@ -276,9 +276,10 @@ def main() -> None:
     meta = {"machine": machine(), "command": command_line("python -m specinfer_bench.structured", None),
             "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "neighbour": args.noisy_neighbour,
             "schemas": os.path.relpath(args.requests), "tools": "tools" in entries[0], **found}
-    write_record(args.out, {**meta, "rows": rows}, markdown(rows, meta))
+    text = markdown(rows, meta)
+    write_record(args.out, {**meta, "rows": rows}, text)
     plot(rows, args.out.with_suffix(".png"), meta["tools"])
-    print(markdown(rows, meta))
+    print(text)
 
 
 if __name__ == "__main__":
